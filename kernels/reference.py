@@ -1,0 +1,151 @@
+"""Pure-torch paged attention and cache ops: the CPU backend and the Triton kernels' oracle.
+
+Attention is planned once per step (gather indices and masks shared by every layer), then each
+layer gathers its K/V through the plan and calls torch's SDPA. Decode rows (one query token) are
+batched into a single padded SDPA call; prefill chunks, few per step, run one SDPA each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [Bd] int64: query rows (one per sequence)
+    blocks: torch.Tensor  # [Bd, C] int64: physical block of each context position (0 = pad)
+    offsets: torch.Tensor  # [Bd, C] int64: offset inside that block
+    mask: torch.Tensor  # [Bd, 1, 1, C] bool: True where the context position exists
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    query_start: int
+    query_len: int
+    blocks: torch.Tensor  # [S] int64
+    offsets: torch.Tensor  # [S] int64
+    mask: torch.Tensor | None  # [Q, S] bool causal mask with the cached prefix; None: plain causal
+
+
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    num_tokens: int
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+
+def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
+    """Precompute gather indices and masks for one step (no device-to-host sync)."""
+    device = meta.block_tables.device
+    bs = meta.block_size
+    tables = meta.block_tables.to(torch.int64)
+    starts = _prefix_sums(meta.query_lens_host)
+    decode_idx = [i for i, q in enumerate(meta.query_lens_host) if q == 1]
+    decode: DecodeGroup | None = None
+    if decode_idx:
+        max_ctx = max(meta.seq_lens_host[i] for i in decode_idx)
+        idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
+        seq_lens = torch.tensor(
+            [meta.seq_lens_host[i] for i in decode_idx], dtype=torch.int64, device=device
+        )
+        pos = torch.arange(max_ctx, device=device)  # [C]
+        valid = pos[None, :] < seq_lens[:, None]  # [Bd, C]
+        logical = torch.where(valid, pos[None, :] // bs, 0)  # [Bd, C]
+        blocks = torch.gather(tables[idx], 1, logical)
+        decode = DecodeGroup(
+            rows=torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64, device=device),
+            blocks=blocks,
+            offsets=(pos % bs).expand_as(blocks),
+            mask=valid[:, None, None, :],
+        )
+    prefills: list[PrefillChunk] = []
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        if q_len == 1:
+            continue
+        pos = torch.arange(s_len, device=device)
+        mask = None
+        if q_len != s_len:
+            q_pos = torch.arange(s_len - q_len, s_len, device=device)
+            mask = pos[None, :] <= q_pos[:, None]  # [Q, S]
+        prefills.append(
+            PrefillChunk(
+                query_start=starts[i],
+                query_len=q_len,
+                blocks=tables[i, pos // bs],
+                offsets=pos % bs,
+                mask=mask,
+            )
+        )
+    return TorchAttentionPlan(num_tokens=meta.num_tokens, decode=decode, prefills=prefills)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    value_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    plan: TorchAttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention of each sequence's new tokens over its paged context (written beforehand)."""
+    out = torch.empty_like(query)
+    gqa = query.shape[1] != key_cache.shape[2]
+    if plan.decode is not None:
+        g = plan.decode
+        q = query[g.rows].unsqueeze(2)  # [Bd, Hq, 1, D]
+        k = key_cache[g.blocks, g.offsets].transpose(1, 2)  # [Bd, Hkv, C, D]
+        v = value_cache[g.blocks, g.offsets].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        out[g.rows] = o.squeeze(2)
+    for p in plan.prefills:
+        rows = slice(p.query_start, p.query_start + p.query_len)
+        q = query[rows].transpose(0, 1)  # [Hq, Q, D]
+        k = key_cache[p.blocks, p.offsets].transpose(0, 1)  # [Hkv, S, D]
+        v = value_cache[p.blocks, p.offsets].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+        )
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    value_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    bs = key_cache.shape[1]
+    blocks = slot_mapping // bs
+    offsets = slot_mapping % bs
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (every layer, K and V) within one pool: copy-on-write.
+
+    pool: [L, 2, N, bs, Hkv, D]; src, dst: [K] int64 with distinct dst ids.
+    """
+    pool[:, :, dst] = pool[:, :, src]
+
+
+def swap_blocks(
+    src_pool: torch.Tensor, dst_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Move whole blocks between pools (device <-> CPU): gather, one copy, scatter."""
+    staged = src_pool[:, :, src.to(src_pool.device)]
+    dst_pool[:, :, dst.to(dst_pool.device)] = staged.to(dst_pool.device, non_blocking=True)
+
+
+def _prefix_sums(lengths: list[int]) -> list[int]:
+    starts, acc = [], 0
+    for n in lengths:
+        starts.append(acc)
+        acc += n
+    return starts
