@@ -140,7 +140,9 @@ def swap_blocks(
 ) -> None:
     """Move whole blocks between pools (device <-> CPU): gather, one copy, scatter."""
     staged = src_pool[:, :, src.to(src_pool.device)]
-    dst_pool[:, :, dst.to(dst_pool.device)] = staged.to(dst_pool.device, non_blocking=True)
+    # Only host-to-device may be asynchronous: a device-to-host copy is read right away.
+    to_device = staged.to(dst_pool.device, non_blocking=dst_pool.device.type == "cuda")
+    dst_pool[:, :, dst.to(dst_pool.device)] = to_device
 
 
 def _prefix_sums(lengths: list[int]) -> list[int]:

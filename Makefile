@@ -1,0 +1,30 @@
+# The README's two commands are `make run` and `make test`; both set up .venv on first use.
+PY := .venv/bin/python
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test lint typecheck unit bench-engine generate
+
+setup:
+	@scripts/setup-env.sh
+
+run: setup
+	$(PY) -m service.cli chat
+
+generate: setup
+	$(PY) -m service.cli generate "$(PROMPT)"
+
+lint: setup
+	$(PY) -m ruff check service kernels clients tests benchmarks
+	$(PY) -m ruff format --check service kernels clients tests benchmarks
+
+typecheck: setup
+	$(PY) -m mypy
+
+unit: setup
+	$(PY) -m pytest
+
+# Lint, types, then the whole suite. pytest's exit code 5 (no tests collected) fails too.
+test: lint typecheck unit
+
+bench-engine: setup
+	$(PY) benchmarks/engine_step.py

@@ -1,0 +1,124 @@
+"""The `pagechat` command: quick looks at the engine from a terminal.
+
+  pagechat generate "PROMPT"   one streamed chat answer
+  pagechat chat                a multi-turn chat; every turn reuses the previous turns' KV
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+
+from service.engine.config import EngineConfig
+from service.engine.engine import LLMEngine
+from service.engine.params import SamplingParams
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16) | float32 | float16")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default=None, help="system prompt")
+
+
+def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    return LLMEngine(config), params
+
+
+def _stream_answer(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    """Print the answer as it is generated; return its token ids."""
+    engine.add_request(request_id, prompt, params)
+    tokens: list[int] = []
+    start = time.monotonic()
+    first: float | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = first or time.monotonic()
+            tokens += out.new_token_ids
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    elapsed = time.monotonic() - start
+    ttft = (first or start) - start
+    sys.stdout.write("\n")
+    sys.stderr.write(f"[{len(tokens)} tokens, first after {ttft:.2f}s, {elapsed:.2f}s total]\n")
+    return tokens
+
+
+def generate(args: argparse.Namespace) -> int:
+    engine, params = _build(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    prompt = engine.tokenizer.apply_chat_template(messages)
+    _stream_answer(engine, "generate", prompt, params)
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    engine, params = _build(args)
+    tok = engine.tokenizer
+    print("pagechat: type a message; an empty line or Ctrl-D quits", file=sys.stderr)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[int] = []  # the conversation's ids exactly as the model saw them
+    for turn in itertools.count():
+        try:
+            text = input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        prompt = tok.apply_chat_template(messages)
+        if history:
+            # Earlier turns keep their stored ids (a prefix-cache hit); only the new turn is
+            # rendered. Re-tokenizing generated text need not give back the same ids.
+            before = tok.apply_chat_template(messages[:-1], add_generation_prompt=False)
+            if prompt[: len(before)] == before:
+                prompt = history + prompt[len(before) :]
+        answer = _stream_answer(engine, f"turn-{turn}", prompt, params)
+        messages.append({"role": "assistant", "content": tok.decode(answer, True)})
+        ended = bool(answer) and answer[-1] in tok.eos_token_ids
+        history = prompt + answer + tok.encode("\n") if ended else []
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagechat")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="print a streamed chat answer")
+    gen.add_argument("prompt")
+    _engine_args(gen)
+    gen.set_defaults(func=generate)
+    ch = sub.add_parser("chat", help="chat in the terminal")
+    _engine_args(ch)
+    ch.set_defaults(func=chat)
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,482 @@
+"""The block manager: who holds which KV block, on which tier, under which content hash.
+
+Pure Python and device-free: it hands out physical block ids and records the block moves the
+runner must perform (`BlockOp`s, drained once per step); the runner owns the tensors.
+
+A `Block` is a handle to one block's worth of KV content. It lives in exactly one tier at a
+time (the device pool or the CPU pool) at a physical `slot`; moving it between tiers changes
+its tier and slot, and every sequence holding the handle sees the move.
+
+NOTE (states of a block):
+  in use   ref_count > 0, listed in some sequences' block tables;
+  cached   ref_count == 0 with a content hash, on its tier's LRU list, reusable by a prefix hit;
+  free     no handle: the slot is on its tier's free list and its contents mean nothing.
+NOTE (what a hash covers): blake2b over (parent block's hash, the block's token ids, the
+  namespace); the namespace names the model and, where tenants must not share, a cache salt.
+  Only full blocks are hashed, and only once their K/V have been computed (`commit`).
+NOTE (eviction order): a device slot is taken from the free list first; failing that, the
+  least recently released cached block is moved to the CPU pool (block by block, not the
+  whole sequence) and its slot reused. The CPU pool takes its own free slots first, then drops
+  its least recently used cached block. Blocks in use are never evicted.
+NOTE (copy-on-write): sequences forked from one another share every block, the partial last
+  one included. Writes only ever land at positions >= num_computed_tokens, so the only block a
+  write can hit while shared is that partial last block: it is copied first.
+NOTE (op order): ops must run in the order issued. A slot freed by one op may be the target
+  of a later op in the same step.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from service.engine.sequence import Sequence
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    CPU = "cpu"
+
+
+class OpKind(enum.Enum):
+    SWAP_OUT = "swap_out"  # device slot -> CPU slot
+    SWAP_IN = "swap_in"  # CPU slot -> device slot
+    COPY = "copy"  # device slot -> device slot (copy-on-write)
+
+
+@dataclass(slots=True, frozen=True)
+class BlockOp:
+    kind: OpKind
+    src: int
+    dst: int
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    tier: Tier
+    slot: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+class AllocationMode(enum.Enum):
+    PAGED = "paged"  # blocks taken on demand, one at a time
+    CONTIGUOUS = "contiguous"  # max_model_len reserved per sequence at admission
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixHit:
+    """The cached full blocks at the start of a prompt, in order."""
+
+    blocks: tuple[Block, ...] = ()
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_device_tokens(self) -> int:
+        return sum(b.tier is Tier.DEVICE for b in self.blocks) * self.block_size
+
+    @property
+    def num_cpu_tokens(self) -> int:
+        return sum(b.tier is Tier.CPU for b in self.blocks) * self.block_size
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    total: int
+    free: int
+    cached: int
+    in_use: int
+
+
+@dataclass(slots=True)
+class BlockStats:
+    device: PoolUsage
+    cpu: PoolUsage
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which found on the device
+    prefix_cpu_hits: int  # of which found in the CPU pool and swapped back in
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    blocks_copied: int  # copy-on-write
+    blocks_dropped: int  # cached content lost for lack of room
+
+
+def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
+    """Reproducible across processes and restarts (stored in Redis page maps)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    h.update(namespace.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(slots=True)
+class _Counters:
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_cpu_hits: int = 0
+    swapped_out: int = 0
+    swapped_in: int = 0
+    copied: int = 0
+    dropped: int = 0
+
+
+@dataclass(slots=True)
+class _TierPool:
+    """One tier's slots. `cached` is keyed by block hash, least recently released first."""
+
+    tier: Tier
+    total: int
+    free: deque[int] = field(default_factory=deque)
+    cached: OrderedDict[int, Block] = field(default_factory=OrderedDict)
+    # Every handle on this tier, in use or cached, by slot.
+    held: dict[int, Block] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free.extend(range(self.total))
+
+    @property
+    def available(self) -> int:
+        return len(self.free) + len(self.cached)
+
+    def usage(self) -> PoolUsage:
+        cached = len(self.cached)
+        return PoolUsage(self.total, len(self.free), cached, len(self.held) - cached)
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        *,
+        namespace: str,
+        enable_prefix_caching: bool = True,
+        mode: AllocationMode = AllocationMode.PAGED,
+        max_model_len: int = 0,
+        watermark_blocks: int = 0,
+    ) -> None:
+        if num_device_blocks < 1 or num_cpu_blocks < 0 or block_size < 1:
+            raise ValueError("need >= 1 device block, >= 0 CPU blocks and block_size >= 1")
+        if mode is AllocationMode.CONTIGUOUS and max_model_len < 1:
+            raise ValueError("contiguous mode needs max_model_len")
+        self.block_size = block_size
+        self.namespace = namespace
+        self.mode = mode
+        # Reserving max_model_len up front leaves nothing to share or cache.
+        self.enable_prefix_caching = enable_prefix_caching and mode is AllocationMode.PAGED
+        self.max_model_len = max_model_len
+        self.watermark_blocks = watermark_blocks
+        self._device = _TierPool(Tier.DEVICE, num_device_blocks)
+        self._cpu = _TierPool(Tier.CPU, num_cpu_blocks)
+        self._by_hash: dict[int, Block] = {}
+        self._ops: list[BlockOp] = []
+        self._counters = _Counters()
+
+    # ------------------------------------------------------------------ admission
+
+    def find_prefix(self, seq: Sequence) -> PrefixHit:
+        """Longest run of cached full blocks at the start of `seq` (no state changes).
+
+        At least one token is left uncached: its logits are needed to sample the next token.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit(block_size=self.block_size)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        hits: list[Block] = []
+        for h in seq.block_hashes[:max_blocks]:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(tuple(hits), self.block_size)
+
+    def can_allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Whether `seq` (holding no blocks) can take its prefix hit and its first chunk."""
+        assert not seq.block_table, "can_allocate is for sequences holding no blocks"
+        needed = self._blocks_to_cover(hit.num_tokens + num_new_tokens)
+        device_hits = [b for b in hit.blocks if b.tier is Tier.DEVICE]
+        # Claiming a cached device hit takes it off the evictable list.
+        evictable_hits = sum(b.ref_count == 0 for b in device_hits)
+        available = self._device.available - evictable_hits - self.watermark_blocks
+        return needed - len(device_hits) <= available
+
+    def allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> None:
+        """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens."""
+        assert self.can_allocate(seq, hit, num_new_tokens)
+        # Claim device hits before taking any slot, so no eviction can move them.
+        for block in hit.blocks:
+            if block.tier is Tier.DEVICE:
+                self._acquire(block)
+        for block in hit.blocks:
+            if block.tier is Tier.CPU:
+                self._acquire(block)
+                self._move_to_device(block)
+        seq.block_table.extend(hit.blocks)
+        seq.num_computed_tokens = hit.num_tokens
+        seq.num_committed_blocks = len(hit.blocks)
+        self._counters.prefix_queries += seq.num_tokens
+        self._counters.prefix_hits += hit.num_device_tokens
+        self._counters.prefix_cpu_hits += hit.num_cpu_tokens
+        self._grow(seq, hit.num_tokens + num_new_tokens)
+
+    # ------------------------------------------------------------------ growth
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._blocks_needed_to_append(seq, num_new_tokens) <= self._device.available
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for tokens [num_computed, num_computed + num_new_tokens) of `seq`."""
+        assert self.can_append(seq, num_new_tokens)
+        if seq.num_computed_tokens % self.block_size:
+            last = seq.block_table[seq.num_computed_tokens // self.block_size]
+            if last.ref_count > 1:
+                self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
+        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the content hashes of blocks that became full (K/V now computed)."""
+        num_full = seq.num_computed_tokens // self.block_size
+        self._extend_hashes(seq, num_full)
+        start, seq.num_committed_blocks = seq.num_committed_blocks, num_full
+        if not self.enable_prefix_caching:
+            return
+        for i in range(start, num_full):
+            block = seq.block_table[i]
+            if block.block_hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            # A block computed twice (two prompts raced) keeps the first copy as the cached one.
+            if h not in self._by_hash:
+                block.block_hash = h
+                self._by_hash[h] = block
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares all of `parent`'s blocks (paged); contiguous mode copies them."""
+        assert not child.block_table
+        if self.mode is AllocationMode.PAGED:
+            for block in parent.block_table:
+                block.ref_count += 1
+            child.block_table.extend(parent.block_table)
+            return
+        self._grow(child, self.max_model_len)
+        used = self._blocks_to_cover(parent.num_computed_tokens)
+        for src, dst in zip(parent.block_table[:used], child.block_table, strict=False):
+            self._ops.append(BlockOp(OpKind.COPY, src.slot, dst.slot))
+            self._counters.copied += 1
+
+    def can_fork(self, parent: Sequence) -> bool:
+        if self.mode is AllocationMode.PAGED:
+            return True
+        return self._blocks_to_cover(self.max_model_len) <= self._device.available
+
+    # ------------------------------------------------------------------ release
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of `seq`'s blocks. Hashed blocks stay cached until their room is needed."""
+        # Reverse order: a prompt's tail is evicted before its head, which other prompts share.
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table.clear()
+        seq.num_committed_blocks = 0
+
+    # ------------------------------------------------------------------ preemption by swap
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        private = sum(b.ref_count == 1 and b.tier is Tier.DEVICE for b in seq.block_table)
+        return private <= self._cpu.available
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Move `seq`'s private blocks to the CPU pool; blocks it shares stay on the device."""
+        assert self.can_swap_out(seq)
+        for block in seq.block_table:
+            if block.ref_count == 1 and block.tier is Tier.DEVICE:
+                self._move_to_cpu(block)
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        on_cpu = sum(b.tier is Tier.CPU for b in seq.block_table)
+        return on_cpu + self._blocks_needed_to_append(seq, num_new_tokens) <= (
+            self._device.available
+        )
+
+    def swap_in(self, seq: Sequence) -> None:
+        for block in seq.block_table:
+            if block.tier is Tier.CPU:
+                self._move_to_device(block)
+
+    # ------------------------------------------------------------------ per step
+
+    def take_ops(self) -> list[BlockOp]:
+        """The block moves issued since the last call, in the order they must run."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def stats(self) -> BlockStats:
+        c = self._counters
+        return BlockStats(
+            device=self._device.usage(),
+            cpu=self._cpu.usage(),
+            prefix_queries=c.prefix_queries,
+            prefix_hits=c.prefix_hits,
+            prefix_cpu_hits=c.prefix_cpu_hits,
+            blocks_swapped_out=c.swapped_out,
+            blocks_swapped_in=c.swapped_in,
+            blocks_copied=c.copied,
+            blocks_dropped=c.dropped,
+        )
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        """Slots a new allocation could take now (free, or cached and evictable)."""
+        return self._device.available
+
+    def is_idle_balanced(self) -> bool:
+        """True when nothing is in use: every slot of both tiers is free or cached."""
+        self.check_invariants(())
+        return all(len(p.held) == len(p.cached) for p in (self._device, self._cpu))
+
+    def check_invariants(self, live: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError if the pool's accounting is off.
+
+        free + cached + in use == total on each tier; a slot is in one place only; ref counts
+        equal the number of table entries across `live` (when given) and are never negative.
+        """
+        for pool in (self._device, self._cpu):
+            free = set(pool.free)
+            assert len(free) == len(pool.free), f"{pool.tier}: slot freed twice"
+            assert not free & pool.held.keys(), f"{pool.tier}: a free slot is also held"
+            assert len(free) + len(pool.held) == pool.total, f"{pool.tier}: slots leaked"
+            for slot, block in pool.held.items():
+                assert block.slot == slot and block.tier is pool.tier, "handle misplaced"
+                assert block.ref_count >= 0, "negative ref count"
+                if block.ref_count == 0:
+                    assert block.block_hash is not None, "unhashed block with no holder"
+                    assert pool.cached.get(block.block_hash) is block, "idle block not cached"
+            for h, block in pool.cached.items():
+                assert block.ref_count == 0 and block.block_hash == h, "cached entry stale"
+                assert pool.held.get(block.slot) is block, "cached block not held"
+        for h, block in self._by_hash.items():
+            assert block.block_hash == h, "hash index stale"
+            pool = self._pool(block.tier)
+            assert pool.held.get(block.slot) is block, "hashed block not held"
+        if live is not None:
+            refs: dict[int, int] = {}
+            for seq in live:
+                for block in seq.block_table:
+                    refs[id(block)] = refs.get(id(block), 0) + 1
+            for pool in (self._device, self._cpu):
+                for block in pool.held.values():
+                    assert block.ref_count == refs.get(id(block), 0), "ref count != holders"
+
+    # ------------------------------------------------------------------ internals
+
+    def _pool(self, tier: Tier) -> _TierPool:
+        return self._device if tier is Tier.DEVICE else self._cpu
+
+    def _blocks_to_cover(self, num_tokens: int) -> int:
+        if self.mode is AllocationMode.CONTIGUOUS:
+            num_tokens = max(num_tokens, self.max_model_len)
+        return -(-num_tokens // self.block_size)
+
+    def _blocks_needed_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = max(0, self._blocks_to_cover(end) - len(seq.block_table))
+        start = seq.num_computed_tokens
+        if start % self.block_size and seq.block_table[start // self.block_size].ref_count > 1:
+            needed += 1
+        return needed
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self._blocks_to_cover(num_tokens) - len(seq.block_table)):
+            block = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
+            self._device.held[block.slot] = block
+            seq.block_table.append(block)
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        shared = seq.block_table[index]
+        copy = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
+        self._device.held[copy.slot] = copy
+        self._ops.append(BlockOp(OpKind.COPY, shared.slot, copy.slot))
+        self._counters.copied += 1
+        shared.ref_count -= 1
+        seq.block_table[index] = copy
+
+    def _acquire(self, block: Block) -> None:
+        if block.ref_count == 0:
+            assert block.block_hash is not None
+            del self._pool(block.tier).cached[block.block_hash]
+        block.ref_count += 1
+
+    def _release(self, block: Block) -> None:
+        assert block.ref_count > 0, "released a block nobody holds"
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        pool = self._pool(block.tier)
+        if block.block_hash is not None:
+            pool.cached[block.block_hash] = block
+        else:
+            del pool.held[block.slot]
+            pool.free.append(block.slot)
+
+    def _take_slot(self, pool: _TierPool) -> int:
+        """A slot of `pool` for new content, evicting its LRU cached block if none is free."""
+        if pool.free:
+            return pool.free.popleft()
+        _, victim = pool.cached.popitem(last=False)
+        slot = victim.slot
+        del pool.held[slot]
+        if pool.tier is Tier.DEVICE and self._cpu.available:
+            # Keep the content: the victim moves to the CPU pool and stays findable.
+            self._place(victim, Tier.CPU, self._take_slot(self._cpu), OpKind.SWAP_OUT, slot)
+            self._cpu.cached[victim.block_hash] = victim  # type: ignore[index]
+        else:
+            assert victim.block_hash is not None
+            del self._by_hash[victim.block_hash]
+            victim.block_hash = None
+            self._counters.dropped += 1
+        return slot
+
+    def _move_to_cpu(self, block: Block) -> None:
+        old = block.slot
+        new = self._take_slot(self._cpu)
+        del self._device.held[old]
+        self._device.free.append(old)
+        self._place(block, Tier.CPU, new, OpKind.SWAP_OUT, old)
+
+    def _move_to_device(self, block: Block) -> None:
+        """Swap an acquired CPU block back in."""
+        assert block.ref_count > 0
+        new = self._take_slot(self._device)
+        old = block.slot
+        del self._cpu.held[old]
+        self._cpu.free.append(old)
+        self._place(block, Tier.DEVICE, new, OpKind.SWAP_IN, old)
+
+    def _place(self, block: Block, tier: Tier, slot: int, kind: OpKind, src: int) -> None:
+        self._ops.append(BlockOp(kind, src, slot))
+        if kind is OpKind.SWAP_OUT:
+            self._counters.swapped_out += 1
+        else:
+            self._counters.swapped_in += 1
+        block.tier = tier
+        block.slot = slot
+        self._pool(tier).held[slot] = block
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_blocks):
+            parent = seq.block_hashes[i - 1] if i else None
+            seq.block_hashes.append(
+                hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self.namespace)
+            )

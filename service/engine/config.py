@@ -1,0 +1,83 @@
+"""Engine configuration: one validated dataclass, documented defaults.
+
+Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
+docs/perf.md and ../shared/FACTS.md):
+- dtype "auto" is bfloat16 on the CPU: batched decode ran ~2x faster than float32 at batch
+  8-64 with the same greedy tokens on the prompts tried; float32 where bit-exactness is asked.
+- num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
+  and leaves a core for the event loop.
+- block_size 16: the vLLM default; fragmentation stays under one block per sequence.
+- max_num_batched_tokens 512: a prefill chunk of 512 tokens takes ~0.5 s in bf16 on the CPU,
+  which bounds how long decoding sessions wait behind a new prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.engine.blocks import AllocationMode
+
+
+class PreemptionMode(enum.Enum):
+    SWAP = "swap"  # move the victim's private blocks to the CPU pool, bring them back later
+    RECOMPUTE = "recompute"  # drop the victim's blocks; re-prefill prompt + output later
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | Path | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    block_size: int = 16
+    num_device_blocks: int | None = None  # None: from kv_cache_mb
+    kv_cache_mb: int = 512
+    num_cpu_blocks: int | None = None  # None: from swap_space_mb
+    swap_space_mb: int = 512
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = PreemptionMode.SWAP
+    allocation: AllocationMode = AllocationMode.PAGED
+    cache_salt: str = ""  # tenants with different salts never share KV blocks
+    seed: int = 0
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError("block_size must be a power of two up to 128")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode in the same step.
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ValueError("num_device_blocks must be >= 1")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError("num_cpu_blocks must be >= 0")
+        if self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+        if isinstance(self.preemption_mode, str):
+            self.preemption_mode = PreemptionMode(self.preemption_mode)
+        if isinstance(self.allocation, str):
+            self.allocation = AllocationMode(self.allocation)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}")
+        return dtypes[self.dtype]

@@ -1,0 +1,301 @@
+"""LLMEngine: the synchronous engine. add_request -> step() -> RequestOutputs.
+
+One step: the scheduler picks chunks (and issues block moves), the runner computes their
+logits in one forward, the sampler picks tokens, and this module turns tokens into text,
+checks stop conditions and frees what finished. Everything here runs on one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.backend import get_backend
+from service.engine.blocks import AllocationMode, BlockManager, BlockStats
+from service.engine.config import EngineConfig
+from service.engine.loader import LoadedModel, load_model
+from service.engine.params import SamplingParams
+from service.engine.runner import ModelRunner
+from service.engine.sampler import Sampler, SamplingRow
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import FinishReason, Sequence, SequenceStatus
+from service.engine.stop import StopChecker
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (too long, duplicate id, ...)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one sample of a request."""
+
+    request_id: str
+    index: int  # sample index, 0..n-1
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: list[list[tuple[int, float]]] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens found in the device prefix cache
+    num_swapped_in_tokens: int  # prompt tokens brought back from the CPU pool
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    blocks: BlockStats
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    preemptions_swap: int
+    preemptions_recompute: int
+    steps: int
+    prompt_tokens_computed: int
+    tokens_generated: int
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    stop_checkers: dict[int, StopChecker] = field(default_factory=dict)
+    forked: bool = False
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        torch.set_num_threads(config.num_threads)
+        self.config = config
+        device, dtype = config.torch_device(), config.torch_dtype()
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=device)
+        self.model_id = loaded.model_id
+        self.tokenizer = loaded.tokenizer
+        args = loaded.args
+        self.max_model_len = min(config.max_model_len, args.max_position_embeddings)
+        block_bytes = ModelRunner.block_bytes(args, config.block_size, dtype)
+        num_device = config.num_device_blocks or max(1, (config.kv_cache_mb << 20) // block_bytes)
+        num_cpu = config.num_cpu_blocks
+        if num_cpu is None:
+            num_cpu = (config.swap_space_mb << 20) // block_bytes
+        if config.allocation is AllocationMode.CONTIGUOUS:
+            per_seq = -(-self.max_model_len // config.block_size)
+            if per_seq > num_device:
+                raise ValueError(
+                    f"contiguous mode needs {per_seq} blocks per sequence; the pool has {num_device}"
+                )
+        self.block_manager = BlockManager(
+            num_device,
+            num_cpu,
+            config.block_size,
+            namespace=f"{loaded.model_id}|{config.cache_salt}",
+            enable_prefix_caching=config.enable_prefix_caching,
+            mode=config.allocation,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            preemption_mode=config.preemption_mode,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            args,
+            block_size=config.block_size,
+            num_device_blocks=num_device,
+            num_cpu_blocks=num_cpu,
+            device=device,
+            dtype=dtype,
+            backend=get_backend(config.attention_backend, device),
+        )
+        self.sampler = Sampler(device, config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._steps = 0
+        self._prompt_tokens_computed = 0
+        self._tokens_generated = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise RequestError(f"request {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context holds "
+                f"{self.max_model_len} including at least one generated token"
+            )
+        blocks_needed = -(-(len(prompt_token_ids) + 1) // self.config.block_size)
+        capacity = self.block_manager.stats().device.total
+        if blocks_needed > capacity:
+            raise RequestError(
+                f"the prompt needs {blocks_needed} KV blocks; the device pool has {capacity}"
+            )
+        seq = Sequence(
+            request_id=request_id,
+            sample_index=0,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            generator=self._generator(params, 0),
+        )
+        request = _Request(request_id, params, [seq])
+        request.stop_checkers[0] = StopChecker(self.tokenizer, params)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and release its blocks. False if it is not running."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ABORT
+                self.scheduler.remove(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_work() and not self.scheduler.running:
+                raise RuntimeError("scheduler is stuck: work is queued but nothing fits")
+            return []
+        sampling = [c for c in batch.chunks if c.samples]
+        logits = self.runner.execute(batch)  # [len(sampling), V]
+        self._steps += 1
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._prompt_tokens_computed += min(
+                    chunk.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.commit(seq)
+
+        rows: list[SamplingRow] = []
+        row_seqs: list[Sequence] = []
+        logit_rows: list[int] = []
+        for i, chunk in enumerate(sampling):
+            for seq in self._samples_of(chunk.seq):
+                rows.append(SamplingRow(seq.params, seq.generator))
+                row_seqs.append(seq)
+                logit_rows.append(i)
+        if logit_rows != list(range(len(sampling))):
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        sampled = self.sampler(logits, rows)
+
+        outputs = []
+        now = time.monotonic()
+        for seq, token in zip(row_seqs, sampled, strict=True):
+            seq.token_ids.append(token.token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._tokens_generated += 1
+            outputs.append(self._process_token(seq, token.token_id, token.logprobs))
+        for seq in batch.preempted:
+            # Nothing to emit; the sequence resumes later with the same tokens.
+            assert seq.status in (SequenceStatus.SWAPPED, SequenceStatus.WAITING)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            blocks=self.block_manager.stats(),
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            preemptions_swap=sched.counters.preemptions_swap,
+            preemptions_recompute=sched.counters.preemptions_recompute,
+            steps=self._steps,
+            prompt_tokens_computed=self._prompt_tokens_computed,
+            tokens_generated=self._tokens_generated,
+        )
+
+    def check_balanced(self) -> None:
+        """Raise unless the KV pools' accounting holds for the sequences alive now."""
+        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        self.block_manager.check_invariants(live)
+        if not live:
+            assert self.block_manager.is_idle_balanced(), "blocks leaked with no request alive"
+
+    # ------------------------------------------------------------------ internals
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return self.sampler.new_generator(params.seed + index)
+
+    def _samples_of(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that sample from `seq`'s logits: itself, plus n-1 forks after prefill."""
+        request = self._requests[seq.request_id]
+        if request.forked or request.params.n == 1:
+            return [seq]
+        request.forked = True
+        children = []
+        for i in range(1, request.params.n):
+            child = seq.fork(i, self._generator(request.params, i))
+            if self.block_manager.can_fork(seq):
+                self.block_manager.fork(seq, child)
+                self.scheduler.add_running(child)
+                children.append(child)
+            else:
+                # Contiguous mode with no room for another reservation: compute it alone.
+                child.num_computed_tokens = 0
+                child.num_committed_blocks = 0
+                self.scheduler.add(child)
+            request.seqs.append(child)
+            request.stop_checkers[i] = StopChecker(self.tokenizer, request.params)
+        return [seq, *children]
+
+    def _process_token(
+        self, seq: Sequence, token_id: int, logprobs: list[tuple[int, float]] | None
+    ) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        checker = request.stop_checkers[seq.sample_index]
+        text, reason = checker.push(token_id, seq.num_output_tokens)
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+            text += checker.flush()
+        if reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            self.scheduler.remove(seq)
+            if all(s.is_finished for s in request.seqs):
+                del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.sample_index,
+            new_token_ids=[token_id],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_swapped_in_tokens=seq.num_swapped_in_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )

@@ -1,0 +1,43 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to pick tokens and when to stop. temperature == 0 means greedy.
+
+    `n` samples share the prompt's KV blocks; sample i draws from seed + i when a seed is given.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # return this many top log-probabilities per token
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError("temperature must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not 1 <= self.n <= 16:
+            raise ValueError("n must be in 1..16")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in 0..20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

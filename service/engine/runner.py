@@ -1,0 +1,183 @@
+"""The model runner: owns the KV pools, moves blocks, runs one forward per step.
+
+Pools are `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (layer-major, so each
+layer's K and V caches are contiguous for attention; a block move touches every layer with one
+indexing op). The CPU pool is pinned on CUDA so swaps can overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import AttentionBackend
+from kernels.metadata import AttentionMetadata
+from service.engine.blocks import BlockOp, OpKind
+from service.engine.model import LlamaModel, ModelArgs
+from service.engine.scheduler import StepBatch
+
+
+@dataclass(slots=True)
+class OpGroup:
+    kind: OpKind
+    src: list[int]
+    dst: list[int]
+
+
+def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
+    """Batch consecutive ops of one kind into single launches, keeping issue order semantics.
+
+    A group is cut where batching would change the result: an op writing a slot already
+    written in the group, or (for device-to-device copies) reading a slot the group writes.
+    """
+    groups: list[OpGroup] = []
+    written: set[int] = set()
+    for op in ops:
+        g = groups[-1] if groups else None
+        reads_written = op.kind is OpKind.COPY and op.src in written
+        if g is None or g.kind is not op.kind or op.dst in written or reads_written:
+            g = OpGroup(op.kind, [], [])
+            groups.append(g)
+            written = set()
+        g.src.append(op.src)
+        g.dst.append(op.dst)
+        written.add(op.dst)
+    return groups
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
+
+
+@dataclass(slots=True)
+class PagedLayerAttention:
+    """The model's attention hook for one step: write the new K/V, attend through pages."""
+
+    pool: torch.Tensor  # [L, 2, N, bs, Hkv, D]
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    plan: object
+    scale: float
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
+        self.backend.write_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
+        return self.backend.attend(q, key_cache, value_cache, self.meta, self.plan, self.scale)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        args: ModelArgs,
+        *,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        self.scale = args.head_dim**-0.5
+        shape = (args.num_layers, 2, 0, block_size, args.num_kv_heads, args.head_dim)
+        self.device_pool = torch.zeros(
+            _with_blocks(shape, num_device_blocks), dtype=dtype, device=device
+        )
+        self.cpu_pool = torch.zeros(
+            _with_blocks(shape, num_cpu_blocks),
+            dtype=dtype,
+            pin_memory=device.type == "cuda",
+        )
+
+    @staticmethod
+    def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * itemsize
+
+    def apply_block_ops(self, ops: list[BlockOp]) -> None:
+        for g in group_block_ops(ops):
+            src = torch.tensor(g.src, dtype=torch.int64)
+            dst = torch.tensor(g.dst, dtype=torch.int64)
+            if g.kind is OpKind.COPY:
+                self.backend.copy_blocks(self.device_pool, src.to(self.device), dst.to(self.device))
+            elif g.kind is OpKind.SWAP_OUT:
+                self.backend.swap_blocks(self.device_pool, self.cpu_pool, src, dst)
+            else:
+                self.backend.swap_blocks(self.cpu_pool, self.device_pool, src, dst)
+        if ops and self.device.type == "cuda":
+            # Swap-outs read device slots the coming forward may overwrite: finish them first.
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in batch.chunks:
+            seq, n = chunk.seq, chunk.num_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            table = [b.slot for b in seq.block_table]
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(table)
+            query_lens.append(n)
+            seq_lens.append(end)
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            block_size=bs,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run the step's block moves and forward; logits [S, V] float32 of sampling chunks."""
+        self.apply_block_ops(batch.block_ops)
+        inputs = self.prepare(batch)
+        attention = PagedLayerAttention(
+            pool=self.device_pool,
+            backend=self.backend,
+            meta=inputs.meta,
+            plan=self.backend.plan(inputs.meta),
+            scale=self.scale,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [T, H]
+        return self.model.compute_logits(hidden[inputs.sample_rows])  # [S, V]
+
+
+def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
+    return shape[:2] + (num_blocks,) + shape[3:]

@@ -1,0 +1,108 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities.
+
+One pass over the batch with tensor ops and a single device-to-host copy of the chosen ids.
+Random rows use the exponential-race trick (argmax of p / E with E ~ Exp(1) is a draw from p),
+so a row with its own seed only needs its own noise vector, not its own sampling call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request seed; None: the engine's generator
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    # (token id, log-probability) of the chosen token, then the top `params.logprobs`.
+    logprobs: list[tuple[int, float]] | None
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        # logits: [S, V] float32, one row per entry of `rows`
+        assert logits.shape[0] == len(rows)
+        chosen = logits.argmax(dim=-1)  # [S] greedy for all; random rows overwritten below
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            chosen[idx] = self._sample(logits[idx], [rows[i] for i in random_rows])
+        ids: list[int] = chosen.tolist()
+        wants_logprobs = [r.params.logprobs is not None for r in rows]
+        if not any(wants_logprobs):
+            return [SampledToken(t, None) for t in ids]
+        return self._with_logprobs(logits, chosen, rows, ids)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        # logits: [R, V]
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temps[:, None]
+        top_ks = [r.params.top_k for r in rows]
+        top_ps = [r.params.top_p for r in rows]
+        if any(top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _top_k_top_p(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)  # [R, V]
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=self._generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _with_logprobs(
+        self,
+        logits: torch.Tensor,
+        chosen: torch.Tensor,
+        rows: list[SamplingRow],
+        ids: list[int],
+    ) -> list[SampledToken]:
+        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+        k = max(r.params.logprobs or 0 for r in rows)
+        top_lp, top_id = logprobs.topk(max(k, 1), dim=-1)  # [S, k]
+        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        top_lp_host, top_id_host = top_lp.tolist(), top_id.tolist()
+        out = []
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                out.append(SampledToken(ids[i], None))
+                continue
+            n = r.params.logprobs
+            pairs = [(ids[i], chosen_lp[i])]
+            pairs += list(zip(top_id_host[i][:n], top_lp_host[i][:n], strict=True))
+            out.append(SampledToken(ids[i], pairs))
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
+    k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)
+    drop = ranks[None, :] >= k[:, None]
+    p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep a token if the mass before it is below top_p: the top token always survives.
+    drop |= (probs.cumsum(dim=-1) - probs) >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

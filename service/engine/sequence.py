@@ -1,0 +1,99 @@
+"""A sequence: the token ids of one sample of one request, and the KV blocks that hold them.
+
+NOTE: `block_table` is owned by the sequence but only the block manager mutates it; the
+scheduler moves sequences between queues; the engine appends sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from service.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from service.engine.blocks import Block
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted for recompute
+    RUNNING = "running"  # holds device blocks, scheduled every step
+    SWAPPED = "swapped"  # preempted; its private blocks wait in the CPU pool
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    sample_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Tokens whose K/V are in the cache; the rest are computed by upcoming steps.
+    num_computed_tokens: int = 0
+    block_table: list[Block] = field(default_factory=list)
+    # Chain hash of every full block of token_ids[:num_computed_tokens], in order.
+    block_hashes: list[int] = field(default_factory=list)
+    num_committed_blocks: int = 0  # leading blocks whose hashes the block manager has seen
+    # Where the prompt's tokens came from at (re)admission, for usage reports.
+    num_cached_tokens: int = 0  # prefix-cache hits on the device
+    num_swapped_in_tokens: int = 0  # prefix-cache hits brought back from the CPU pool
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def fork(self, sample_index: int, generator: torch.Generator | None) -> Sequence:
+        """A sibling sample with the same tokens; the block manager shares the blocks."""
+        return Sequence(
+            request_id=self.request_id,
+            sample_index=sample_index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            arrival_time=self.arrival_time,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_hashes=list(self.block_hashes),
+            num_committed_blocks=self.num_committed_blocks,
+            num_cached_tokens=self.num_cached_tokens,
+            num_swapped_in_tokens=self.num_swapped_in_tokens,
+            generator=generator,
+        )

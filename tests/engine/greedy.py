@@ -1,0 +1,76 @@
+"""Running requests through an LLMEngine and comparing greedy outputs token for token.
+
+"Identical" means the same token ids. The one tolerated exception: batched matmuls round
+differently, so a divergence is accepted at a position where the reference's top two logits
+differ by less than NEAR_TIE, and nowhere else; the tokens after it are then not compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine.engine import LLMEngine
+from service.engine.params import SamplingParams
+
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class Generated:
+    token_ids: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # top-1 minus top-2 logit per token
+    text: str = ""
+    finish_reason: str | None = None
+
+
+def greedy(max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+
+
+def run(
+    engine: LLMEngine,
+    prompts: dict[str, list[int]],
+    params: SamplingParams,
+    join_at: dict[str, int] | None = None,
+    max_steps: int = 20_000,
+) -> dict[str, Generated]:
+    """Add each request at its step (default 0), step until all finish, collect the outputs."""
+    join_at = join_at or {}
+    pending = sorted(prompts, key=lambda rid: join_at.get(rid, 0))
+    results = {rid: Generated() for rid in prompts}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and join_at.get(pending[0], 0) <= step:
+            rid = pending.pop(0)
+            engine.add_request(rid, prompts[rid], params)
+        for out in engine.step():
+            got = results[out.request_id]
+            got.token_ids += out.new_token_ids
+            got.text += out.new_text
+            for pairs in out.logprobs or []:
+                # pairs: chosen, then the top two by log-probability
+                got.margins.append(pairs[1][1] - pairs[2][1])
+            if out.finished:
+                got.finish_reason = out.finish_reason.value if out.finish_reason else None
+        step += 1
+        assert step < max_steps, "engine made no progress"
+    return results
+
+
+def assert_same_greedy(reference: dict[str, Generated], other: dict[str, Generated]) -> int:
+    """Assert token-for-token equality (near-ties excepted); return how many near-ties forgave."""
+    forgiven = 0
+    assert reference.keys() == other.keys()
+    for rid, ref in reference.items():
+        got = other[rid]
+        for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=False)):
+            if a != b:
+                assert ref.margins[i] < NEAR_TIE, (
+                    f"{rid}: token {i} differs ({a} vs {b}) with a top-2 logit margin of "
+                    f"{ref.margins[i]:.2e}, not a near-tie"
+                )
+                forgiven += 1
+                break
+        else:
+            assert len(ref.token_ids) == len(got.token_ids), f"{rid}: lengths differ"
+    return forgiven
