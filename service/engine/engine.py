@@ -7,6 +7,7 @@ checks stop conditions and frees what finished. Everything here runs on one thre
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,28 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class StepTiming:
+    """Seconds spent per phase of `step`, summed since the engine started.
+
+    Only `forward` is model work; the rest is the engine's own overhead.
+    """
+
+    schedule: float = 0.0
+    prepare: float = 0.0  # block moves, input tensors, attention plan
+    forward: float = 0.0
+    sample: float = 0.0
+    postprocess: float = 0.0  # detokenize, stop checks, free finished sequences
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.postprocess
+
+    @property
+    def overhead_share(self) -> float:
+        return 1.0 - self.forward / self.total if self.total else 0.0
+
+
+@dataclass(slots=True)
 class EngineStats:
     blocks: BlockStats
     num_waiting: int
@@ -56,6 +79,7 @@ class EngineStats:
     steps: int
     prompt_tokens_computed: int
     tokens_generated: int
+    timing: StepTiming
 
 
 @dataclass(slots=True)
@@ -119,6 +143,7 @@ class LLMEngine:
         self._steps = 0
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
+        self._timing = StepTiming()
 
     # ------------------------------------------------------------------ requests
 
@@ -179,13 +204,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        timing, t0 = self._timing, time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_work() and not self.scheduler.running:
                 raise RuntimeError("scheduler is stuck: work is queued but nothing fits")
             return []
         sampling = [c for c in batch.chunks if c.samples]
-        logits = self.runner.execute(batch)  # [len(sampling), V]
+        t1 = time.perf_counter()
+        inputs = self.runner.prepare(batch)
+        t2 = time.perf_counter()
+        logits = self.runner.execute(inputs)  # [len(sampling), V]
+        t3 = time.perf_counter()
         self._steps += 1
         for chunk in batch.chunks:
             seq = chunk.seq
@@ -207,6 +237,7 @@ class LLMEngine:
         if logit_rows != list(range(len(sampling))):
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         sampled = self.sampler(logits, rows)
+        t4 = time.perf_counter()
 
         outputs = []
         now = time.monotonic()
@@ -216,9 +247,12 @@ class LLMEngine:
                 seq.first_token_time = now
             self._tokens_generated += 1
             outputs.append(self._process_token(seq, token.token_id, token.logprobs))
-        for seq in batch.preempted:
-            # Nothing to emit; the sequence resumes later with the same tokens.
-            assert seq.status in (SequenceStatus.SWAPPED, SequenceStatus.WAITING)
+        t5 = time.perf_counter()
+        timing.schedule += t1 - t0
+        timing.prepare += t2 - t1
+        timing.forward += t3 - t2
+        timing.sample += t4 - t3
+        timing.postprocess += t5 - t4
         return outputs
 
     def stats(self) -> EngineStats:
@@ -233,6 +267,7 @@ class LLMEngine:
             steps=self._steps,
             prompt_tokens_computed=self._prompt_tokens_computed,
             tokens_generated=self._tokens_generated,
+            timing=dataclasses.replace(self._timing),
         )
 
     def check_balanced(self) -> None:

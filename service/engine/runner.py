@@ -51,6 +51,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
+    plan: object  # the attention backend's per-step plan
     sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
 
 
@@ -121,6 +122,8 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
 
     def prepare(self, batch: StepBatch) -> StepInputs:
+        """Run the step's block moves; build the forward's inputs and attention plan."""
+        self.apply_block_ops(batch.block_ops)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -160,19 +163,18 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
+            plan=self.backend.plan(meta),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
         )
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run the step's block moves and forward; logits [S, V] float32 of sampling chunks."""
-        self.apply_block_ops(batch.block_ops)
-        inputs = self.prepare(batch)
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward; logits [S, V] float32 of the chunks that sample."""
         attention = PagedLayerAttention(
             pool=self.device_pool,
             backend=self.backend,
             meta=inputs.meta,
-            plan=self.backend.plan(inputs.meta),
+            plan=inputs.plan,
             scale=self.scale,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [T, H]

@@ -158,7 +158,7 @@ def test_seeded_sampling_is_reproducible(make_engine: EngineFactory) -> None:
     prompts = random_prompts(3, seed=10, lengths=(10, 30))
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123, max_tokens=10)
     a = run(make_engine(), prompts, params)
-    b = run(make_engine(max_num_batched_tokens=16), prompts, params)
+    b = run(make_engine(max_num_batched_tokens=16, max_num_seqs=16), prompts, params)
     assert {k: v.token_ids for k, v in a.items()} == {k: v.token_ids for k, v in b.items()}
     other = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=124, max_tokens=10)
     c = run(make_engine(), prompts, other)

@@ -1,0 +1,114 @@
+"""AsyncEngine: steps on the engine thread, streams on the loop, aborts on cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import pytest
+
+from service.engine.async_engine import AsyncEngine
+from service.engine.engine import RequestError, RequestOutput
+from service.engine.params import SamplingParams
+from tests.engine.conftest import EngineFactory
+from tests.engine.greedy import greedy, run
+
+
+def prompt(seed: int, length: int = 30) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(17, 49152) for _ in range(length)]
+
+
+async def collect(engine: AsyncEngine, ids: list[int], params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(ids, params):
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def test_concurrent_streams_match_the_sync_engine(make_engine: EngineFactory) -> None:
+    prompts = {f"r{i}": prompt(i, 10 + 7 * i) for i in range(6)}
+    expected = run(make_engine(), prompts, greedy(10))
+    engine = AsyncEngine(make_engine())
+    await engine.start()
+    try:
+        got = await asyncio.gather(*(collect(engine, p, greedy(10)) for p in prompts.values()))
+    finally:
+        await engine.stop()
+    assert got == [expected[rid].token_ids for rid in prompts]
+
+
+async def test_cancelling_a_stream_aborts_its_request_and_frees_blocks(
+    make_engine: EngineFactory,
+) -> None:
+    sync_engine = make_engine()
+    engine = AsyncEngine(sync_engine)
+    await engine.start()
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(prompt(1), greedy(10_000 // 32)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(started.wait(), timeout=60)
+        assert engine.stats().blocks.device.in_use > 0
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the engine thread aborts it before its next step
+            if engine.stats().blocks.device.in_use == 0 and engine.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().blocks.device.in_use == 0
+        assert engine.num_active_requests == 0
+    finally:
+        await engine.stop()
+
+
+async def test_leaving_a_stream_early_aborts_its_request(make_engine: EngineFactory) -> None:
+    sync_engine = make_engine()
+    engine = AsyncEngine(sync_engine)
+    await engine.start()
+    try:
+        outputs: list[RequestOutput] = []
+        async with contextlib.aclosing(engine.generate(prompt(2), greedy(300))) as stream:
+            async for out in stream:
+                outputs.append(out)
+                if len(outputs) == 3:
+                    break
+        for _ in range(200):
+            if engine.stats().num_running == 0 and engine.stats().blocks.device.in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().blocks.device.in_use == 0
+    finally:
+        await engine.stop()
+    assert len(outputs) == 3 and not outputs[-1].finished
+
+
+async def test_rejected_requests_raise_in_the_caller(make_engine: EngineFactory) -> None:
+    engine = AsyncEngine(make_engine(max_model_len=32))
+    await engine.start()
+    try:
+        with pytest.raises(RequestError, match="context holds 32"):
+            await collect(engine, prompt(3, 40), greedy(4))
+        # The engine keeps serving after a rejection.
+        assert len(await collect(engine, prompt(4, 10), greedy(4))) == 4
+    finally:
+        await engine.stop()
+
+
+async def test_parallel_samples_arrive_on_one_stream(make_engine: EngineFactory) -> None:
+    engine = AsyncEngine(make_engine())
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.7, seed=5, n=3, max_tokens=5, ignore_eos=True)
+        per_sample: dict[int, int] = {}
+        async for out in engine.generate(prompt(5), params):
+            per_sample[out.index] = per_sample.get(out.index, 0) + len(out.new_token_ids)
+    finally:
+        await engine.stop()
+    assert per_sample == {0: 5, 1: 5, 2: 5}
