@@ -90,7 +90,10 @@ def main() -> int:
         f"{torch.get_num_threads()} torch thread(s), {args.steps} decode steps, "
         f"~{args.prompt_len}-token prompts"
     )
-    print("| batch | tokens/s | step ms | forward ms | outside forward | sched | prep | sample | post |")
+    print(
+        "| batch | tokens/s | step ms | forward ms | outside forward "
+        "| sched | prep | sample | post |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(

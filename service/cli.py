@@ -1,7 +1,7 @@
 """The `pagechat` command: quick looks at the engine from a terminal.
 
-  pagechat generate "PROMPT"   one streamed chat answer
-  pagechat chat                a multi-turn chat; every turn reuses the previous turns' KV
+pagechat generate "PROMPT"   one streamed chat answer
+pagechat chat                a multi-turn chat; every turn reuses the previous turns' KV
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from service.engine.params import SamplingParams
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: bundled)"
+    )
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16) | float32 | float16")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])

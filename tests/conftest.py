@@ -7,6 +7,6 @@ import os
 # Must be set before any @triton.jit runs: this machine has no GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)

@@ -70,10 +70,15 @@ class AllocationMode(enum.Enum):
 
 @dataclass(slots=True, frozen=True)
 class PrefixHit:
-    """The cached full blocks at the start of a prompt, in order."""
+    """The cached full blocks at the start of a prompt, in order.
+
+    NOTE: where the blocks were found is counted at lookup: `allocate` swaps the CPU ones in,
+    after which every block says DEVICE, and usage reports read the hit after allocation.
+    """
 
     blocks: tuple[Block, ...] = ()
     block_size: int = 0
+    num_cpu_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -81,11 +86,11 @@ class PrefixHit:
 
     @property
     def num_device_tokens(self) -> int:
-        return sum(b.tier is Tier.DEVICE for b in self.blocks) * self.block_size
+        return (len(self.blocks) - self.num_cpu_blocks) * self.block_size
 
     @property
     def num_cpu_tokens(self) -> int:
-        return sum(b.tier is Tier.CPU for b in self.blocks) * self.block_size
+        return self.num_cpu_blocks * self.block_size
 
 
 @dataclass(slots=True)
@@ -199,7 +204,8 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        return PrefixHit(tuple(hits), self.block_size)
+        num_cpu = sum(b.tier is Tier.CPU for b in hits)
+        return PrefixHit(tuple(hits), self.block_size, num_cpu)
 
     def can_allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Whether `seq` (holding no blocks) can take its prefix hit and its first chunk."""
@@ -214,13 +220,12 @@ class BlockManager:
     def allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> None:
         """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens."""
         assert self.can_allocate(seq, hit, num_new_tokens)
-        # Claim device hits before taking any slot, so no eviction can move them.
+        # Claim every hit before taking any slot: swapping one CPU hit in may evict a device
+        # block to the CPU pool, whose LRU victim must not be a hit not yet claimed.
         for block in hit.blocks:
-            if block.tier is Tier.DEVICE:
-                self._acquire(block)
+            self._acquire(block)
         for block in hit.blocks:
             if block.tier is Tier.CPU:
-                self._acquire(block)
                 self._move_to_device(block)
         seq.block_table.extend(hit.blocks)
         seq.num_computed_tokens = hit.num_tokens
@@ -270,7 +275,7 @@ class BlockManager:
             child.block_table.extend(parent.block_table)
             return
         self._grow(child, self.max_model_len)
-        used = self._blocks_to_cover(parent.num_computed_tokens)
+        used = -(-parent.num_computed_tokens // self.block_size)  # not the whole reservation
         for src, dst in zip(parent.block_table[:used], child.block_table, strict=False):
             self._ops.append(BlockOp(OpKind.COPY, src.slot, dst.slot))
             self._counters.copied += 1
@@ -342,7 +347,7 @@ class BlockManager:
 
     def is_idle_balanced(self) -> bool:
         """True when nothing is in use: every slot of both tiers is free or cached."""
-        self.check_invariants(())
+        self.check_invariants()
         return all(len(p.held) == len(p.cached) for p in (self._device, self._cpu))
 
     def check_invariants(self, live: Iterable[Sequence] | None = None) -> None:
@@ -374,6 +379,8 @@ class BlockManager:
             for seq in live:
                 for block in seq.block_table:
                     refs[id(block)] = refs.get(id(block), 0) + 1
+                    held = self._pool(block.tier).held.get(block.slot)
+                    assert held is block, "a table lists a released or misplaced block"
             for pool in (self._device, self._cpu):
                 for block in pool.held.values():
                     assert block.ref_count == refs.get(id(block), 0), "ref count != holders"

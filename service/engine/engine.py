@@ -111,7 +111,8 @@ class LLMEngine:
             per_seq = -(-self.max_model_len // config.block_size)
             if per_seq > num_device:
                 raise ValueError(
-                    f"contiguous mode needs {per_seq} blocks per sequence; the pool has {num_device}"
+                    f"contiguous mode needs {per_seq} blocks per sequence; "
+                    f"the pool has {num_device}"
                 )
         self.block_manager = BlockManager(
             num_device,

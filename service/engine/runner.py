@@ -182,4 +182,4 @@ class ModelRunner:
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
-    return shape[:2] + (num_blocks,) + shape[3:]
+    return (*shape[:2], num_blocks, *shape[3:])

@@ -16,8 +16,7 @@ def random_prompts(n: int, *, seed: int, lengths: tuple[int, int]) -> dict[str, 
     rng = random.Random(seed)
     # ids from 17 up: 0-16 are control tokens of the SmolLM2 vocabulary
     return {
-        f"r{i}": [rng.randrange(17, 49152) for _ in range(rng.randint(*lengths))]
-        for i in range(n)
+        f"r{i}": [rng.randrange(17, 49152) for _ in range(rng.randint(*lengths))] for i in range(n)
     }
 
 

@@ -1,0 +1,233 @@
+"""A Llama-family decoder over a flat batch of tokens, in plain torch.
+
+The model sees one flat run of tokens per step (every sequence's new tokens back to back, no
+batch dimension) and knows nothing about caches: each layer hands its post-RoPE Q/K/V to a
+`LayerAttention` supplied by the runner, which writes K/V into the paged cache and attends.
+
+Weights use our own fused names (see `LlamaModel.from_weights`); the loaders translate GGUF and
+Hugging Face checkpoints into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class LayerAttention(Protocol):
+    """Attention for one layer of one step, supplied by the runner.
+
+    q: [T, num_heads, head_dim], k/v: [T, num_kv_heads, head_dim], all after RoPE, in the
+    model's dtype. They are views into the layer's fused projection, so only the last dim is
+    guaranteed unit-stride. Returns [T, num_heads, head_dim]. The scale is head_dim ** -0.5.
+    """
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 and scale after casting back, as the reference Llama does, so that
+        # bf16 runs round the same way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(args: ModelArgs, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_position_embeddings, head_dim], fp32, in rotate_half layout."""
+    half = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (args.rope_theta ** (half / args.head_dim))  # [D/2]
+    t = torch.arange(args.max_position_embeddings, device=device).float()  # [P]
+    freqs = torch.outer(t, inv_freq)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos/sin: [T, 1, D]
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [T, H, D]
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.q_size
+        self.kv_size = args.kv_size
+        # One matmul for Q, K and V: fewer kernel launches per layer on the decode hot path.
+        self.qkv = nn.Linear(args.hidden_size, args.q_size + 2 * args.kv_size, bias=False)
+        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention) -> Tensor:
+        # x: [T, hidden]; cos/sin: [T, 1, D]
+        t = x.shape[0]
+        qkv = self.qkv(x)  # [T, (H + 2 KV) * D]
+        qk_size = self.q_size + self.kv_size
+        # Q and K rotate together: one RoPE pass instead of two.
+        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)  # [T, H + KV, D]
+        q = qk[:, : self.num_heads]  # [T, H, D]
+        k = qk[:, self.num_heads :]  # [T, KV, D]
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        out = attention(self.layer, q, k, v)  # [T, H, D]
+        y: Tensor = self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+        return y
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        y: Tensor = self.down(F.silu(gate) * up)  # [T, hidden]
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attention)  # [T, hidden]
+        y: Tensor = x + self.mlp(self.mlp_norm(x))  # [T, hidden]
+        return y
+
+
+class LlamaModel(nn.Module):
+    """Weights: `embed_tokens.weight`, `norm.weight`, `lm_head.weight` (untied only), and per
+    layer `layers.{i}.{attn_norm.weight, attn.qkv.weight, attn.o_proj.weight, mlp_norm.weight,
+    mlp.gate_up.weight, mlp.down.weight}`. `qkv` rows are [q; k; v] with Q/K in the Hugging
+    Face (rotate_half) layout; `gate_up` rows are [gate; up].
+    """
+
+    cos_table: Tensor
+    sin_table: Tensor
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        # Weights come from `from_weights`; skip nn.Embedding's normal_ init, which on the meta
+        # device imports torch._dynamo (~4 s).
+        self.embed_tokens = nn.Embedding(
+            args.vocab_size,
+            args.hidden_size,
+            _weight=torch.empty(args.vocab_size, args.hidden_size),
+        )
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # On the CPU even under a meta-device context: derived from args, never loaded, and
+        # computing them on meta imports torch._dynamo (~4 s). Not persistent: checkpoints
+        # never carry them.
+        cos, sin = rope_tables(args, torch.device("cpu"))
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    @classmethod
+    def from_weights(
+        cls,
+        args: ModelArgs,
+        weights: Mapping[str, Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LlamaModel:
+        """Build the model around `weights` (our names) without a throwaway random init."""
+        with torch.device("meta"):
+            model = cls(args)
+        state = {name: w.to(device=device, dtype=dtype) for name, w in weights.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
+        # The reference Llama casts cos/sin to the activations' dtype; so do we.
+        model.cos_table = model.cos_table.to(device=device, dtype=dtype)
+        model.sin_table = model.sin_table.to(device=device, dtype=dtype)
+        return model.eval()
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
+        # input_ids, positions: [T] int64 -> hidden [T, hidden], after the final norm.
+        # NOTE: positions must be < max_position_embeddings; the runner caps max_model_len.
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)  # [T, hidden]
+        hidden: Tensor = self.norm(x)  # [T, hidden]
+        return hidden
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

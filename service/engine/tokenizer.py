@@ -1,0 +1,324 @@
+"""The model's own tokenizer and chat template, hardened against special-token injection.
+
+NOTE: user text never becomes special tokens. `encode` treats special-token strings as plain
+text; `apply_chat_template` renders the template with each message content replaced by a
+sentinel, so only the template's own text can produce special ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import gguf
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+# Trailing tokens some families emit to end a turn or a document; stopping on them is safe.
+_END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+# GGUF `tokenizer.ggml.pre` values whose pre-tokenizer we can rebuild exactly.
+_GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2")
+
+# gguf token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# Sentinels only ever meet the template's own text, never user content, so a fixed string works.
+_SENTINEL = "\ue000pagechat-content-{}\ue001"
+_SENTINEL_RE = re.compile("\ue000pagechat-content-(\\d+)\ue001")
+
+
+class Tokenizer:
+    """Wraps a `tokenizers` backend; takes ownership of it (special-token parsing is switched
+    off on it, so plain `encode` can never produce a special id)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        chat_template: str | None,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("a tokenizer needs at least one eos token id")
+        self._backend = backend
+        self._backend.encode_special_tokens = True
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self._specials = {
+            tok.content: tid
+            for tid, tok in backend.get_added_tokens_decoder().items()
+            if tok.special
+        }
+        # Longest first, so a special that prefixes another never wins the match.
+        alternatives = sorted(self._specials, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, alternatives)) or "(?!)")
+        self._template: jinja2.Template | None = None
+        if chat_template is not None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = _tojson
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Rebuild the byte-level BPE that llama.cpp's converter stored in the metadata."""
+        kind = _gguf_field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only BPE 'gpt2')")
+        pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+        if pre not in _GGUF_PRE_TOKENIZERS:
+            raise ValueError(
+                f"unsupported GGUF pre-tokenizer {pre!r}; load the model from its Hugging Face "
+                "directory instead"
+            )
+        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
+        types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type")
+        merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = [_merge_pair(m) for m in merges]
+        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if pre == "smollm"
+            else byte_level
+        )
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens(
+            [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, t in zip(tokens, types, strict=True)
+                if t == _TOKEN_CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(tok, special=False, normalized=False)
+                for tok, t in zip(tokens, types, strict=True)
+                if t == _TOKEN_USER_DEFINED
+            ]
+        )
+        eos = int(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
+        bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
+        return cls(
+            backend,
+            chat_template=_gguf_field(reader, "tokenizer.chat_template", None),
+            eos_token_ids=[eos, *_end_marker_ids(backend)],
+            bos_token_id=None if bos is None else int(bos),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, directory: Path) -> Tokenizer:
+        """`tokenizer.json`, plus the chat template and eos from the files beside it."""
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} has no tokenizer.json")
+        backend = Backend.from_file(str(path))
+        config = _read_json(directory / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the unnamed one is "default"
+            template = next((t["template"] for t in template if t["name"] == "default"), None)
+        jinja_file = directory / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        eos: list[int] = []
+        eos_token = _token_content(config.get("eos_token"))
+        if eos_token is not None and (tid := backend.token_to_id(eos_token)) is not None:
+            eos.append(tid)
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(directory / name).get("eos_token_id")
+            eos.extend([value] if isinstance(value, int) else value or [])
+        bos_token = _token_content(config.get("bos_token"))
+        return cls(
+            backend,
+            chat_template=template,
+            eos_token_ids=[*eos, *_end_marker_ids(backend)],
+            bos_token_id=None if bos_token is None else backend.token_to_id(bos_token),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text: special-token strings in `text` tokenize as ordinary characters."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        tid: int | None = self._backend.token_to_id(token)
+        return tid
+
+    def id_to_token(self, token_id: int) -> str | None:
+        token: str | None = self._backend.id_to_token(token_id)
+        return token
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The template's text, special tokens as strings (for display and tests, never for
+        tokenizing: use `apply_chat_template`)."""
+        return self._render([_checked(m) for m in messages], add_generation_prompt)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat, with message contents encoded as plain text.
+
+        Equals the tokenizer library's own encoding of `render_chat(...)` when no content
+        contains special-token strings: plain runs (template text and contents together) are
+        encoded whole, split only at the template's special tokens.
+        """
+        checked = [_checked(m) for m in messages]
+        masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(checked)]
+        parts = _SENTINEL_RE.split(self._render(masked, add_generation_prompt))
+        expected = self._render(checked, add_generation_prompt)
+        contents = [m["content"] for m in checked]
+        if _splice(parts, contents) != expected:
+            # Some templates trim contents (Llama 3's `| trim`); splice what they would print.
+            contents = [c.strip() for c in contents]
+            if _splice(parts, contents) != expected:
+                raise ValueError("the chat template rewrites message contents; cannot splice")
+        ids: list[int] = []
+        plain: list[str] = []
+        for j, part in enumerate(parts):
+            if j % 2:
+                plain.append(contents[int(part)])
+                continue
+            pos = 0
+            for match in self._special_re.finditer(part):
+                plain.append(part[pos : match.start()])
+                ids.extend(self.encode("".join(plain)))
+                plain.clear()
+                ids.append(self._specials[match.group()])
+                pos = match.end()
+            plain.append(part[pos:])
+        ids.extend(self.encode("".join(plain)))
+        return ids
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def save_hf(self, directory: Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` as Hugging Face lays them out."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": self.id_to_token(self.eos_token_ids[0]),
+        }
+        if self.bos_token_id is not None:
+            config["bos_token"] = self.id_to_token(self.bos_token_id)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        bos = None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos or "",
+            eos_token=self.id_to_token(self.eos_token_ids[0]),
+        )
+
+
+class IncrementalDetokenizer:
+    """Streams text one token at a time without splitting a character.
+
+    A token can end inside a multi-byte UTF-8 character (an emoji spans several byte-level
+    tokens); such text decodes to a trailing U+FFFD and is held back until a later token
+    completes it. A small window of earlier tokens is re-decoded for context, because some
+    decoders (SentencePiece's leading space) render a token differently at a sequence start.
+    """
+
+    __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tokenizer")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # tokens before this have been emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completed ('' while a character is partial)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        seen = decode(self._ids[self._prefix : self._read], self._skip)
+        text = decode(self._ids[self._prefix :], self._skip)
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen) :]
+
+    def flush(self) -> str:
+        """Whatever is held back, incomplete characters included (at the end of a stream)."""
+        seen = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return text[len(seen) :]
+
+
+def _splice(parts: list[str], contents: list[str]) -> str:
+    return "".join(contents[int(p)] if j % 2 else p for j, p in enumerate(parts))
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, right = merge.split(" ", 1)  # byte-level tokens hold no spaces (they are "Ġ")
+    return left, right
+
+
+def _checked(message: Mapping[str, str]) -> dict[str, str]:
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise ValueError("each message needs a string 'role' and a string 'content'")
+    return {"role": role, "content": content}
+
+
+def _end_marker_ids(backend: Backend) -> list[int]:
+    specials = {tok.content: tid for tid, tok in backend.get_added_tokens_decoder().items()}
+    return [specials[m] for m in _END_MARKERS if m in specials]
+
+
+def _gguf_field(reader: gguf.GGUFReader, key: str, *default: Any) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default:
+            return default[0]
+        raise ValueError(f"GGUF metadata has no {key!r}")
+    return field.contents()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _token_content(token: object) -> str | None:
+    if isinstance(token, dict):  # {"content": ..., "lstrip": ...} in older configs
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: object, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)

@@ -1,0 +1,791 @@
+"""Tests for `service/engine/blocks.py`: one test per behaviour, then a stateful property test.
+
+Both drive the manager the way the engine does (find_prefix / can_allocate / allocate, write,
+commit; can_append / append_slots; fork; swap; free) against `KVStore`, a miniature of the
+runner's tensors: the "K/V" written at token position p is a pure function of the token ids up
+to and including p, and the ops drained after every call are applied in order. A block whose
+content is lost, stale, shared when it should not be, or moved out of order reads back wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from service.engine.blocks import (
+    AllocationMode,
+    Block,
+    BlockManager,
+    BlockOp,
+    OpKind,
+    Tier,
+    hash_block,
+)
+from service.engine.params import SamplingParams
+from service.engine.sequence import Sequence
+
+NAMESPACE = "pagechat/test-model"
+POISON = -1  # what a slot holds when nothing may read it; kv_values() are never negative
+
+
+def kv_values(token_ids: list[int]) -> list[int]:
+    """The K/V a model writes at each position: a function of every token up to it."""
+    values, prev = [], 0
+    for token in token_ids:
+        prev = hash((prev, token)) & ((1 << 62) - 1)
+        values.append(prev)
+    return values
+
+
+def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The content hash of every full block of `token_ids`, computed independently."""
+    hashes: list[int] = []
+    for i in range(len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(parent, chunk, NAMESPACE))
+    return hashes
+
+
+def make_seq(token_ids: list[int], sample_index: int = 0) -> Sequence:
+    return Sequence(
+        request_id="req",
+        sample_index=sample_index,
+        token_ids=list(token_ids),
+        num_prompt_tokens=len(token_ids),
+        params=SamplingParams(),
+    )
+
+
+class KVStore:
+    """The runner's KV tensors in miniature: one int per token slot, per tier."""
+
+    def __init__(self, bm: BlockManager, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.bm = bm
+        bs = bm.block_size
+        self.slots = {
+            Tier.DEVICE: np.full((num_device_blocks, bs), POISON, dtype=np.int64),
+            Tier.CPU: np.full((num_cpu_blocks, bs), POISON, dtype=np.int64),
+        }
+
+    def run_ops(self) -> list[BlockOp]:
+        """Drain the manager's ops and perform them in the order issued."""
+        ops = self.bm.take_ops()
+        device, cpu = self.slots[Tier.DEVICE], self.slots[Tier.CPU]
+        for op in ops:
+            if op.kind is OpKind.SWAP_OUT:
+                cpu[op.dst] = device[op.src]
+            elif op.kind is OpKind.SWAP_IN:
+                device[op.dst] = cpu[op.src]
+            else:
+                device[op.dst] = device[op.src]
+        return ops
+
+    def write(self, seq: Sequence, start: int, stop: int) -> None:
+        bs = self.bm.block_size
+        values = kv_values(seq.token_ids[:stop])
+        for pos in range(start, stop):
+            block = seq.block_table[pos // bs]
+            assert block.tier is Tier.DEVICE, "wrote into a block that is not on the device"
+            assert block.ref_count == 1, "wrote into a shared block"
+            assert block.block_hash is None, "wrote into a block already content-addressed"
+            self.slots[Tier.DEVICE][block.slot, pos % bs] = values[pos]
+
+    def read(self, block: Block) -> list[int]:
+        return [int(v) for v in self.slots[block.tier][block.slot]]
+
+    def assert_computed_positions_intact(self, seq: Sequence) -> None:
+        """Every computed position of `seq` reads back its own K/V, on whichever tier."""
+        bs = self.bm.block_size
+        expected = kv_values(seq.token_ids[: seq.num_computed_tokens])
+        got = [self.read(seq.block_table[p // bs])[p % bs] for p in range(len(expected))]
+        assert got == expected, f"seq {seq.seq_id}: K/V differs from what was written"
+
+    def poison_all_but(self, keep: set[tuple[Tier, int]]) -> None:
+        for tier, slots in self.slots.items():
+            for slot in range(len(slots)):
+                if (tier, slot) not in keep:
+                    slots[slot] = POISON
+
+
+# ---------------------------------------------------------------------- the engine, in brief
+
+
+def commit_computed(bm: BlockManager, kv: KVStore, seq: Sequence, n: int) -> None:
+    kv.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+    seq.num_computed_tokens += n
+    bm.commit(seq)
+    assert not bm.take_ops(), "commit issues no block moves"
+
+
+def admit(bm: BlockManager, kv: KVStore, seq: Sequence, chunk: int) -> bool:
+    hit = bm.find_prefix(seq)
+    n = min(seq.num_tokens - hit.num_tokens, chunk)
+    if not bm.can_allocate(seq, hit, n):
+        return False
+    bm.allocate(seq, hit, n)
+    kv.run_ops()
+    commit_computed(bm, kv, seq, n)
+    return True
+
+
+def extend(bm: BlockManager, kv: KVStore, seq: Sequence, n: int) -> bool:
+    if not bm.can_append(seq, n):
+        return False
+    bm.append_slots(seq, n)
+    kv.run_ops()
+    commit_computed(bm, kv, seq, n)
+    return True
+
+
+def decode(bm: BlockManager, kv: KVStore, seq: Sequence, token: int) -> bool:
+    seq.token_ids.append(token)
+    return extend(bm, kv, seq, 1)
+
+
+def fork(bm: BlockManager, kv: KVStore, parent: Sequence, sample_index: int) -> Sequence:
+    child = parent.fork(sample_index, None)
+    bm.fork(parent, child)
+    kv.run_ops()
+    return child
+
+
+def manager(
+    num_device_blocks: int, num_cpu_blocks: int, block_size: int, **kwargs: object
+) -> tuple[BlockManager, KVStore]:
+    bm = BlockManager(
+        num_device_blocks,
+        num_cpu_blocks,
+        block_size,
+        namespace=NAMESPACE,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return bm, KVStore(bm, num_device_blocks, num_cpu_blocks)
+
+
+# ---------------------------------------------------------------------- paging and prefix hits
+
+
+def test_blocks_are_taken_on_demand_one_at_a_time_as_a_sequence_grows() -> None:
+    bm, kv = manager(8, 0, 4)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=2)
+    assert len(seq.block_table) == 1
+    assert extend(bm, kv, seq, 3)
+    assert len(seq.block_table) == 2  # 5 tokens
+    for token, blocks in [(6, 2), (7, 2), (8, 2), (9, 3), (10, 3)]:
+        assert decode(bm, kv, seq, token)
+        assert len(seq.block_table) == blocks
+        assert bm.stats().device.in_use == blocks
+    kv.assert_computed_positions_intact(seq)
+    bm.free(seq)
+    assert bm.is_idle_balanced()
+
+
+def test_a_released_prompts_full_blocks_are_a_prefix_hit_for_the_same_prompt() -> None:
+    bm, kv = manager(8, 0, 2)
+    first = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, first, chunk=5)
+    full_blocks = tuple(first.block_table[:2])
+    bm.free(first)
+
+    again = make_seq([1, 2, 3, 4, 5])
+    hit = bm.find_prefix(again)
+    assert hit.blocks == full_blocks
+    assert hit.num_tokens == hit.num_device_tokens == 4
+    assert admit(bm, kv, again, chunk=5)
+    assert again.num_computed_tokens == 5
+    assert not bm.take_ops()
+    assert bm.stats().prefix_hits == 4
+    kv.assert_computed_positions_intact(again)
+
+
+def test_the_last_prompt_token_is_never_a_prefix_hit() -> None:
+    bm, kv = manager(8, 0, 2)
+    first = make_seq([1, 2, 3, 4])
+    assert admit(bm, kv, first, chunk=4)
+    bm.free(first)
+    # Both blocks are cached, but the last token's logits are needed: only one block is a hit.
+    assert bm.find_prefix(make_seq([1, 2, 3, 4])).num_tokens == 2
+    assert bm.find_prefix(make_seq([1, 2, 3, 4, 9])).num_tokens == 4
+
+
+def test_prefix_hits_chain_so_a_different_first_block_means_no_hit_on_later_ones() -> None:
+    bm, kv = manager(8, 0, 2)
+    first = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, first, chunk=5)
+    bm.free(first)
+    # Same second block, different first: the second block's K/V depend on the first.
+    assert bm.find_prefix(make_seq([9, 2, 3, 4, 5])).num_tokens == 0
+    assert bm.find_prefix(make_seq([1, 2, 9, 4, 5])).num_tokens == 2
+
+
+def test_a_sequence_recomputed_after_preemption_reuses_its_own_cached_blocks() -> None:
+    bm, kv = manager(8, 0, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=5)
+    for token in (6, 7):
+        assert decode(bm, kv, seq, token)
+    bm.free(seq)
+    seq.num_computed_tokens = 0
+    hit = bm.find_prefix(seq)
+    assert hit.num_device_tokens == 6  # three full blocks; the 7th token is recomputed
+    assert admit(bm, kv, seq, chunk=16)
+    kv.assert_computed_positions_intact(seq)
+
+
+# ---------------------------------------------------------------------- eviction between tiers
+
+
+def test_the_lru_cached_block_moves_to_the_cpu_pool_when_the_device_runs_out() -> None:
+    bm, kv = manager(3, 2, 2)
+    first = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, first, chunk=5)
+    head, tail = first.block_table[0], first.block_table[1]
+    tail_slot = tail.slot
+    bm.free(first)  # tail released before head: the tail is least recently used
+    assert bm.stats().device.cached == 2
+
+    other = make_seq([7, 8, 9])
+    hit = bm.find_prefix(other)
+    bm.allocate(other, hit, 3)
+    assert kv.run_ops() == [BlockOp(OpKind.SWAP_OUT, tail_slot, 0)]
+    assert (tail.tier, tail.slot, head.tier) == (Tier.CPU, 0, Tier.DEVICE)
+    stats = bm.stats()
+    assert (stats.blocks_swapped_out, stats.blocks_dropped) == (1, 0)
+    assert (stats.device.cached, stats.device.in_use, stats.cpu.cached) == (1, 2, 1)
+
+
+def test_a_prefix_hit_on_a_cpu_block_swaps_it_back_in_bit_exact() -> None:
+    bm, kv = manager(3, 2, 2)
+    first = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, first, chunk=5)
+    tail = first.block_table[1]
+    bm.free(first)
+    other = make_seq([7, 8, 9])
+    assert admit(bm, kv, other, chunk=3)
+    bm.free(other)
+    assert tail.tier is Tier.CPU
+
+    again = make_seq([1, 2, 3, 4, 6])
+    hit = bm.find_prefix(again)
+    assert (hit.num_device_tokens, hit.num_cpu_tokens) == (2, 2)
+    assert bm.can_allocate(again, hit, 1)
+    bm.allocate(again, hit, 1)
+    # Where the hit was found, as usage reports read it after allocation.
+    assert (hit.num_device_tokens, hit.num_cpu_tokens) == (2, 2)
+    ops = kv.run_ops()
+    assert BlockOp(OpKind.SWAP_IN, 0, tail.slot) in ops
+    assert tail.tier is Tier.DEVICE and again.block_table[1] is tail
+    commit_computed(bm, kv, again, 1)
+    kv.assert_computed_positions_intact(again)
+    stats = bm.stats()
+    assert (stats.prefix_hits, stats.prefix_cpu_hits, stats.blocks_swapped_in) == (2, 2, 1)
+
+
+def test_the_cpu_pool_drops_its_own_lru_block_when_full() -> None:
+    bm, kv = manager(2, 1, 2)
+    for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        seq = make_seq(tokens)
+        assert admit(bm, kv, seq, chunk=3)
+        bm.free(seq)
+    stats = bm.stats()
+    assert (stats.blocks_swapped_out, stats.blocks_dropped) == (2, 1)
+    assert (stats.cpu.cached, stats.device.cached) == (1, 1)
+    assert bm.find_prefix(make_seq([1, 2, 3])).num_tokens == 0  # dropped
+    assert bm.find_prefix(make_seq([4, 5, 6])).num_cpu_tokens == 2
+    assert bm.find_prefix(make_seq([7, 8, 9])).num_device_tokens == 2
+
+
+def test_allocating_several_cpu_hits_with_both_pools_full_keeps_every_hit() -> None:
+    # Swapping in the first CPU hit evicts a device block to the CPU pool, whose LRU entry is
+    # the second, not yet claimed, CPU hit: it must not be the one dropped.
+    bm, kv = manager(4, 2, 1)
+    for tokens in ([1, 2, 3, 4], [5, 6, 7]):
+        seq = make_seq(tokens)
+        assert admit(bm, kv, seq, chunk=4)
+        bm.free(seq)
+    again = make_seq([1, 2, 3, 9])
+    hit = bm.find_prefix(again)
+    assert (hit.num_device_tokens, hit.num_cpu_tokens) == (1, 2)
+    assert admit(bm, kv, again, chunk=1)
+    assert all(b.tier is Tier.DEVICE for b in again.block_table)
+    kv.assert_computed_positions_intact(again)
+    bm.check_invariants([again])
+
+
+def test_blocks_in_use_are_never_evicted() -> None:
+    bm, kv = manager(2, 4, 2)
+    seq = make_seq([1, 2, 3, 4])
+    assert admit(bm, kv, seq, chunk=4)
+    other = make_seq([5, 6])
+    assert not bm.can_allocate(other, bm.find_prefix(other), 2)
+    assert bm.num_free_device_blocks == 0
+
+
+def test_the_watermark_holds_device_blocks_back_from_admission_only() -> None:
+    bm, kv = manager(3, 0, 2, watermark_blocks=1)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert not bm.can_allocate(seq, bm.find_prefix(seq), 5)
+    assert admit(bm, kv, seq, chunk=4)
+    assert extend(bm, kv, seq, 1)  # growing may use the watermark
+
+
+# ---------------------------------------------------------------------- fork and copy-on-write
+
+
+def test_copy_on_write_copies_a_shared_partial_block_once_per_writer() -> None:
+    bm, kv = manager(8, 0, 4)
+    parent = make_seq([1, 2, 3])
+    assert admit(bm, kv, parent, chunk=3)
+    shared = parent.block_table[0]
+    children = [fork(bm, kv, parent, i) for i in (1, 2)]
+    assert shared.ref_count == 3
+
+    for writer, token in [(parent, 10), (children[0], 11)]:
+        assert decode(bm, kv, writer, token)
+        assert writer.block_table[0] is not shared
+    assert bm.stats().blocks_copied == 2
+    assert shared.ref_count == 1
+
+    # The last holder writes in place; a writer that already copied does not copy again.
+    assert decode(bm, kv, children[1], 12)
+    assert children[1].block_table[0] is shared
+    assert decode(bm, kv, parent, 13)
+    assert bm.stats().blocks_copied == 2
+    for seq in (parent, *children):
+        kv.assert_computed_positions_intact(seq)
+    bm.check_invariants([parent, *children])
+
+
+def test_the_copy_is_issued_before_the_write_and_after_any_eviction_for_its_slot() -> None:
+    bm, kv = manager(2, 2, 2)
+    cached = make_seq([7, 8, 9])
+    assert admit(bm, kv, cached, chunk=3)
+    bm.free(cached)  # one cached block, one free slot
+    parent = make_seq([1])
+    assert admit(bm, kv, parent, chunk=1)
+    child = fork(bm, kv, parent, 1)
+    parent.token_ids.append(5)
+    assert bm.can_append(parent, 1)
+    bm.append_slots(parent, 1)
+    ops = kv.run_ops()
+    assert [op.kind for op in ops] == [OpKind.SWAP_OUT, OpKind.COPY]
+    assert ops[0].src == ops[1].dst  # the evicted block's slot receives the copy
+    commit_computed(bm, kv, parent, 1)
+    kv.assert_computed_positions_intact(parent)
+    kv.assert_computed_positions_intact(child)
+
+
+def test_full_shared_blocks_are_never_copied() -> None:
+    bm, kv = manager(8, 0, 2)
+    parent = make_seq([1, 2, 3, 4])
+    assert admit(bm, kv, parent, chunk=4)
+    child = fork(bm, kv, parent, 1)
+    assert decode(bm, kv, parent, 5)
+    assert decode(bm, kv, child, 6)
+    assert bm.stats().blocks_copied == 0
+    assert parent.block_table[:2] == child.block_table[:2]
+    assert parent.block_table[2] is not child.block_table[2]
+
+
+# ---------------------------------------------------------------------- preemption by swap
+
+
+def test_swap_out_moves_only_private_blocks_and_swap_in_brings_them_back() -> None:
+    bm, kv = manager(8, 8, 2)
+    parent = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, parent, chunk=5)
+    child = fork(bm, kv, parent, 1)
+    assert decode(bm, kv, parent, 6)  # copies the shared partial block
+    assert decode(bm, kv, parent, 7)  # a new private block
+    shared, private = parent.block_table[:2], parent.block_table[2:]
+    private_slots = [b.slot for b in private]
+
+    assert bm.can_swap_out(parent)
+    bm.swap_out(parent)
+    ops = kv.run_ops()
+    assert [(op.kind, op.src) for op in ops] == [(OpKind.SWAP_OUT, s) for s in private_slots]
+    assert all(b.tier is Tier.DEVICE for b in shared)
+    assert all(b.tier is Tier.CPU for b in private)
+    assert bm.stats().cpu.in_use == 2
+    kv.assert_computed_positions_intact(parent)
+    kv.assert_computed_positions_intact(child)
+
+    assert bm.can_swap_in(parent, 1)
+    bm.swap_in(parent)
+    assert [op.kind for op in kv.run_ops()] == [OpKind.SWAP_IN] * 2
+    assert all(b.tier is Tier.DEVICE for b in parent.block_table)
+    assert decode(bm, kv, parent, 8)
+    kv.assert_computed_positions_intact(parent)
+    bm.check_invariants([parent, child])
+
+
+def test_swap_out_needs_room_for_every_private_block() -> None:
+    bm, kv = manager(8, 1, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=5)
+    assert not bm.can_swap_out(seq)
+
+
+# ---------------------------------------------------------------------- contiguous mode
+
+
+def test_contiguous_mode_reserves_max_model_len_at_admission_and_never_grows() -> None:
+    bm, kv = manager(6, 0, 4, mode=AllocationMode.CONTIGUOUS, max_model_len=10)
+    seq = make_seq([1, 2])
+    assert bm.find_prefix(seq).num_tokens == 0
+    assert admit(bm, kv, seq, chunk=2)
+    assert len(seq.block_table) == 3  # ceil(10 / 4)
+    for token in range(3, 11):
+        assert decode(bm, kv, seq, token)
+        assert len(seq.block_table) == 3
+    kv.assert_computed_positions_intact(seq)
+    other = make_seq([1])
+    assert admit(bm, kv, other, chunk=1)
+    assert not bm.can_allocate(make_seq([5]), bm.find_prefix(make_seq([5])), 1)
+    bm.free(seq)
+    bm.free(other)
+    assert bm.is_idle_balanced()
+    assert bm.stats().device.free == 6  # nothing is cached in contiguous mode
+
+
+def test_contiguous_fork_copies_only_the_computed_blocks() -> None:
+    bm, kv = manager(6, 0, 4, mode=AllocationMode.CONTIGUOUS, max_model_len=10)
+    parent = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, parent, chunk=5)
+    assert bm.can_fork(parent)
+    child = fork(bm, kv, parent, 1)
+    assert len(child.block_table) == 3
+    assert bm.stats().blocks_copied == 2  # ceil(5 / 4), not the whole reservation
+    kv.assert_computed_positions_intact(child)
+    assert not bm.can_fork(parent)
+
+
+# ---------------------------------------------------------------------- hashes, stats, checks
+
+
+def test_hash_block_is_reproducible_across_processes_and_releases() -> None:
+    # Page maps in Redis outlive the process: these values must never change.
+    first = hash_block(None, [1, 2, 3, 4], NAMESPACE)
+    assert first == 8411237102276951235
+    assert hash_block(first, [5, 6, 7, 8], NAMESPACE) == 16770433948669425468
+
+
+def test_hash_block_depends_on_parent_tokens_and_namespace() -> None:
+    base = hash_block(None, [1, 2], NAMESPACE)
+    assert hash_block(None, [1, 2], NAMESPACE) == base
+    assert hash_block(None, (t for t in [1, 2]), NAMESPACE) == base
+    assert hash_block(base, [1, 2], NAMESPACE) != base
+    assert hash_block(None, [2, 1], NAMESPACE) != base
+    assert hash_block(None, [1, 2], NAMESPACE + "/salt") != base
+
+
+def test_stats_count_usage_per_tier_and_prefix_queries() -> None:
+    bm, kv = manager(4, 2, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=5)
+    stats = bm.stats()
+    assert (stats.device.total, stats.device.free, stats.device.in_use) == (4, 1, 3)
+    assert (stats.cpu.total, stats.cpu.free, stats.cpu.in_use) == (2, 2, 0)
+    bm.free(seq)
+    stats = bm.stats()
+    assert (stats.device.free, stats.device.cached, stats.device.in_use) == (2, 2, 0)
+    again = make_seq([1, 2, 3, 4, 5, 6])
+    assert admit(bm, kv, again, chunk=6)
+    stats = bm.stats()
+    assert (stats.prefix_queries, stats.prefix_hits, stats.prefix_cpu_hits) == (11, 4, 0)
+    assert bm.num_free_device_blocks == 1
+
+
+def test_check_invariants_catches_a_ref_count_bumped_by_hand() -> None:
+    bm, kv = manager(4, 0, 2)
+    seq = make_seq([1, 2, 3])
+    assert admit(bm, kv, seq, chunk=3)
+    bm.check_invariants([seq])
+    seq.block_table[0].ref_count += 1
+    with pytest.raises(AssertionError, match="ref count"):
+        bm.check_invariants([seq])
+
+
+def test_check_invariants_catches_a_slot_in_two_places() -> None:
+    bm, kv = manager(4, 0, 2)
+    seq = make_seq([1, 2, 3])
+    assert admit(bm, kv, seq, chunk=3)
+    seq.block_table[1].slot = seq.block_table[0].slot
+    with pytest.raises(AssertionError):
+        bm.check_invariants([seq])
+
+
+def test_check_invariants_catches_a_table_holding_a_released_block() -> None:
+    bm, kv = manager(4, 0, 2)
+    seq = make_seq([1, 2, 3])
+    assert admit(bm, kv, seq, chunk=3)
+    stale = list(seq.block_table)
+    bm.free(seq)
+    seq.block_table.extend(stale)
+    with pytest.raises(AssertionError):
+        bm.check_invariants([seq])
+
+
+def test_is_idle_balanced_only_once_everything_is_released() -> None:
+    bm, kv = manager(4, 2, 2)
+    seq = make_seq([1, 2, 3])
+    assert admit(bm, kv, seq, chunk=3)
+    assert not bm.is_idle_balanced()
+    bm.free(seq)
+    assert bm.is_idle_balanced()
+
+
+# ---------------------------------------------------------------------- the stateful property
+
+TOKENS = st.integers(0, 1)  # a tiny alphabet, so prefix hits are frequent
+INDEX = st.integers(0, 15)
+CHUNK = st.integers(1, 6)
+MAX_LIVE = 6
+
+
+def pick(seqs: list[Sequence], index: int) -> Sequence:
+    return seqs[index % len(seqs)]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """The engine's use of the manager, at random, against a simulated KV store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list[Sequence] = []  # holding no blocks: new, or preempted to recompute
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.histories: list[list[int]] = []  # conversations so far, to continue later
+        self.hash_tokens: dict[int, list[int]] = {}  # block hash -> the tokens it covers
+        self.seen: dict[int, Block] = {}  # every block handle that may still hold content
+
+    @property
+    def live(self) -> list[Sequence]:
+        return self.waiting + self.running + self.swapped
+
+    @initialize(
+        block_size=st.integers(1, 4),
+        num_device_blocks=st.integers(4, 12),
+        num_cpu_blocks=st.integers(0, 8),
+        mode=st.sampled_from([AllocationMode.PAGED] * 3 + [AllocationMode.CONTIGUOUS]),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+        max_model_len=st.integers(2, 12),
+        watermark_blocks=st.sampled_from([0, 0, 0, 1]),
+    )
+    def setup(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        mode: AllocationMode,
+        prefix_caching: bool,
+        max_model_len: int,
+        watermark_blocks: int,
+    ) -> None:
+        if mode is AllocationMode.CONTIGUOUS:
+            # At least one sequence's reservation fits (the watermark aside).
+            max_model_len = min(max_model_len, num_device_blocks * block_size)
+        else:
+            max_model_len = 24
+        self.max_len = max_model_len
+        self.bm, self.kv = manager(
+            num_device_blocks,
+            num_cpu_blocks,
+            block_size,
+            mode=mode,
+            max_model_len=max_model_len,
+            enable_prefix_caching=prefix_caching,
+            watermark_blocks=watermark_blocks,
+        )
+
+    # ------------------------------------------------------------------ rules
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(suffix=st.lists(TOKENS, min_size=1, max_size=8), index=INDEX, resume=st.booleans())
+    def new_request(self, suffix: list[int], index: int, resume: bool) -> None:
+        """A new prompt, or a conversation resumed: an earlier one's tokens plus more."""
+        prefix = self.histories[index % len(self.histories)] if resume and self.histories else []
+        self.waiting.append(make_seq((prefix + suffix)[: self.max_len]))
+
+    @precondition(lambda self: self.waiting)
+    @rule(index=INDEX, chunk=CHUNK)
+    def schedule(self, index: int, chunk: int) -> None:
+        seq = pick(self.waiting, index)
+        if admit(self.bm, self.kv, seq, chunk):
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+    @precondition(lambda self: self.running)
+    @rule(index=INDEX, chunk=CHUNK, token=TOKENS)
+    def step(self, index: int, chunk: int, token: int) -> None:
+        """Prefill the next chunk, or decode one sampled token; finish at max length."""
+        seq = pick(self.running, index)
+        if seq.num_uncomputed_tokens == 0:
+            if seq.num_tokens >= self.max_len:
+                self._finish(seq)
+                return
+            seq.token_ids.append(token)
+        blocks_before = len(seq.block_table)
+        extend(self.bm, self.kv, seq, min(seq.num_uncomputed_tokens, chunk))
+        if self.bm.mode is AllocationMode.CONTIGUOUS:
+            assert len(seq.block_table) == blocks_before
+
+    @precondition(lambda self: self.running and len(self.live) < MAX_LIVE)
+    @rule(index=INDEX)
+    def fork(self, index: int) -> None:
+        parent = pick(self.running, index)
+        if self.bm.can_fork(parent):
+            self.running.append(fork(self.bm, self.kv, parent, parent.sample_index + 1))
+
+    @precondition(lambda self: self.live)
+    @rule(index=INDEX)
+    def finish(self, index: int) -> None:
+        self._finish(pick(self.live, index))
+
+    @precondition(lambda self: self.running)
+    @rule(index=INDEX)
+    def swap_out(self, index: int) -> None:
+        seq = pick(self.running, index)
+        if self.bm.can_swap_out(seq):
+            self.bm.swap_out(seq)
+            self.kv.run_ops()
+            self.running.remove(seq)
+            self.swapped.append(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(index=INDEX, chunk=st.integers(0, 4))
+    def swap_in(self, index: int, chunk: int) -> None:
+        seq = pick(self.swapped, index)
+        n = min(seq.num_uncomputed_tokens, chunk)
+        if self.bm.can_swap_in(seq, n):
+            self.bm.swap_in(seq)
+            self.kv.run_ops()
+            self.swapped.remove(seq)
+            self.running.append(seq)
+            if n:  # can_swap_in promised room for the next n tokens too
+                assert extend(self.bm, self.kv, seq, n)
+
+    @precondition(lambda self: self.running or self.swapped)
+    @rule(index=INDEX)
+    def recompute(self, index: int) -> None:
+        """Preemption by recompute: drop the blocks, keep the tokens."""
+        seq = pick(self.running + self.swapped, index)
+        self._observe(seq)
+        self.bm.free(seq)
+        self.kv.run_ops()
+        seq.num_computed_tokens = 0
+        (self.running if seq in self.running else self.swapped).remove(seq)
+        self.waiting.append(seq)
+
+    @rule(token_ids=st.lists(st.integers(2, 3), min_size=1, max_size=16))
+    def pressure(self, token_ids: list[int]) -> None:
+        """Another request passes through: it takes what room it can, then leaves it cached."""
+        seq = make_seq(token_ids[: self.max_len])
+        for chunk in range(seq.num_tokens, 0, -1):
+            if admit(self.bm, self.kv, seq, chunk):
+                self._observe(seq)
+                self.bm.free(seq)
+                self.kv.run_ops()
+                return
+
+    def _finish(self, seq: Sequence) -> None:
+        self._observe(seq)
+        self.bm.free(seq)
+        self.kv.run_ops()
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.histories.append(list(seq.token_ids))
+
+    def _observe(self, seq: Sequence) -> None:
+        """Remember `seq`'s blocks and what its block hashes cover, to check them later."""
+        bs = self.bm.block_size
+        for i, h in enumerate(chain_hashes(seq.token_ids, bs)):
+            self.hash_tokens[h] = seq.token_ids[: (i + 1) * bs]
+        for block in seq.block_table:
+            self.seen[id(block)] = block
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def the_pool_and_every_block_content_are_consistent(self) -> None:
+        bm, kv, bs = self.bm, self.kv, self.bm.block_size
+        assert not bm.take_ops(), "every op was drained"
+        bm.check_invariants(self.live)
+        for seq in self.live:
+            self._observe(seq)
+
+        for seq in self.waiting:
+            assert not seq.block_table
+        for seq in self.running + self.swapped:
+            if bm.mode is AllocationMode.CONTIGUOUS:
+                assert len(seq.block_table) == -(-self.max_len // bs)
+            else:
+                assert len(seq.block_table) == -(-seq.num_computed_tokens // bs)
+            assert seq.block_hashes == chain_hashes(seq.token_ids, bs)[: len(seq.block_hashes)]
+            for i, block in enumerate(seq.block_table):
+                if block.block_hash is not None:
+                    assert block.block_hash == seq.block_hashes[i]
+            kv.assert_computed_positions_intact(seq)
+        for seq in self.running:
+            assert all(b.tier is Tier.DEVICE for b in seq.block_table), "running off-device"
+
+        # Every handle that still holds content (in use, or cached under a hash) has a slot
+        # of its own, and a cached block holds exactly the K/V of the tokens it is hashed by.
+        holders: dict[tuple[Tier, int], Block] = {}
+        for key, block in list(self.seen.items()):
+            if block.ref_count == 0 and block.block_hash is None:
+                del self.seen[key]  # released: its slot means nothing now
+                continue
+            assert holders.setdefault((block.tier, block.slot), block) is block, "slot shared"
+            if block.block_hash is not None:
+                tokens = self.hash_tokens[block.block_hash]
+                assert kv.read(block) == kv_values(tokens)[-bs:], "cached block content"
+
+        stats = bm.stats()
+        for tier, usage in ((Tier.DEVICE, stats.device), (Tier.CPU, stats.cpu)):
+            assert usage.free + usage.cached + usage.in_use == usage.total
+            in_use = {id(b) for s in self.live for b in s.block_table if b.tier is tier}
+            assert usage.in_use == len(in_use)
+            cached = sum(
+                b.tier is tier and b.ref_count == 0 and b.block_hash is not None
+                for b in self.seen.values()
+            )
+            assert usage.cached == cached
+        # Free slots mean nothing: a later read of one must not find the old content.
+        kv.poison_all_but(set(holders))
+
+    def teardown(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        try:
+            self.bm.check_invariants(self.live)
+        except AssertionError:
+            return  # a rule or an invariant has already failed: that is the report
+        for seq in self.live:
+            self.bm.free(seq)
+            self.kv.run_ops()
+        assert self.bm.is_idle_balanced()
+        assert self.bm.stats().device.in_use == self.bm.stats().cpu.in_use == 0
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockManagerStateMachine = BlockManagerMachine.TestCase

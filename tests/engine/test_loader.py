@@ -1,0 +1,240 @@
+"""Loading GGUF files and Hugging Face directories into LlamaModel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.engine.loader import (
+    LoadedModel,
+    UnsupportedModelError,
+    _unpermute_rope,
+    default_model_path,
+    load_model,
+)
+from service.engine.model import ModelArgs
+from tests.tiny_model import greedy_generate, make_tiny_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model(None, torch.float32, CPU)
+
+
+def test_default_model_path_is_the_bundled_gguf() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
+
+
+@pytest.mark.real_model
+def test_default_model_loads_with_its_published_shape(smollm2: LoadedModel) -> None:
+    assert smollm2.args == ModelArgs(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=smollm2.args.rms_norm_eps,  # 1e-5 as a float32
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    assert smollm2.args.rms_norm_eps == pytest.approx(1e-5)
+    assert smollm2.model.lm_head is None
+    params = sum(p.numel() for p in smollm2.model.parameters())
+    assert params == 134_515_008
+    assert smollm2.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert smollm2.model_id.startswith("SmolLM2-135M-Instruct.Q4_1@")
+
+
+@pytest.mark.real_model
+def test_default_model_answers_with_paris(smollm2: LoadedModel) -> None:
+    tok = smollm2.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    out = greedy_generate(smollm2.model, prompt, 30, stop=tok.eos_token_ids)
+    assert "Paris" in tok.decode(out)
+
+
+def _llama_cpp_permute(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
+    # convert_hf_to_gguf.py's LlamaModel.permute, which the GGUF file went through.
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def test_unpermute_inverts_llama_cpp_rope_permutation() -> None:
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    stored = torch.from_numpy(_llama_cpp_permute(w, 3).copy())
+    assert torch.equal(_unpermute_rope(stored, 3), torch.from_numpy(w))
+
+
+def _tensors(loaded: LoadedModel) -> dict[str, torch.Tensor]:
+    return dict(loaded.model.state_dict())
+
+
+def test_hf_directory_loads_with_fused_weights(tmp_path: Path) -> None:
+    directory = make_tiny_llama(tmp_path / "tiny", num_layers=3, num_kv_heads=1)
+    loaded = load_model(directory, torch.float32, CPU)
+    hf = load_file(directory / "model.safetensors")
+    assert loaded.args.num_layers == 3
+    assert loaded.args.num_kv_heads == 1
+    qkv = loaded.model.layers[1].attn.qkv.weight
+    expected = torch.cat([hf[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, expected)
+    assert loaded.model.lm_head is not None
+    assert torch.equal(loaded.model.lm_head.weight, hf["lm_head.weight"])
+    assert loaded.name == "tiny"
+    assert loaded.tokenizer.eos_token_ids[0] == 2
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path: Path) -> None:
+    whole = load_model(make_tiny_llama(tmp_path / "whole"), torch.float32, CPU)
+    directory = make_tiny_llama(tmp_path / "sharded", max_shard_size="5MB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    sharded = load_model(directory, torch.float32, CPU)
+    a, b = _tensors(whole), _tensors(sharded)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_load_casts_every_weight(tmp_path: Path) -> None:
+    loaded = load_model(make_tiny_llama(tmp_path / "tiny"), torch.bfloat16, CPU)
+    assert {t.dtype for t in _tensors(loaded).values()} == {torch.bfloat16}
+
+
+def test_model_id_depends_on_content_not_location(tmp_path: Path) -> None:
+    first = load_model(make_tiny_llama(tmp_path / "a" / "tiny"), torch.float32, CPU)
+    moved = load_model(make_tiny_llama(tmp_path / "b" / "tiny"), torch.float32, CPU)
+    other = load_model(make_tiny_llama(tmp_path / "c" / "tiny", seed=1), torch.float32, CPU)
+    assert first.model_id == moved.model_id
+    assert first.model_id.startswith("tiny@")
+    assert other.model_id != first.model_id
+
+
+def test_transformers_4_style_config_loads(tmp_path: Path) -> None:
+    directory = make_tiny_llama(tmp_path / "tiny", rope_theta=5000.0)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_theta=5000.0, rope_scaling=None)
+    (directory / "config.json").write_text(json.dumps(config))
+    assert load_model(directory, torch.float32, CPU).args.rope_theta == 5000.0
+
+
+def _edit_config(**changes: Any) -> Callable[[Path], None]:
+    def edit(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        config.update(changes)
+        (directory / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _edit_weights(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        weights = load_file(directory / "model.safetensors")
+        edit(weights)
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    ("breakage", "error", "match"),
+    [
+        (lambda d: (d / "config.json").unlink(), FileNotFoundError, "config.json"),
+        (lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "safetensors"),
+        (lambda d: (d / "tokenizer.json").unlink(), FileNotFoundError, "tokenizer.json"),
+        (_edit_config(model_type="mistral"), UnsupportedModelError, "mistral"),
+        (_edit_config(attention_bias=True), UnsupportedModelError, "attention_bias"),
+        (
+            _edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8}),
+            UnsupportedModelError,
+            "llama3",
+        ),
+        (
+            _edit_config(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
+            UnsupportedModelError,
+            "linear",
+        ),
+        (_edit_weights(lambda w: w.pop("lm_head.weight")), ValueError, "lm_head"),
+        (
+            _edit_weights(lambda w: w.pop("model.layers.1.mlp.up_proj.weight")),
+            ValueError,
+            "up_proj",
+        ),
+        (
+            _edit_weights(lambda w: w.update(extra=torch.zeros(2))),
+            UnsupportedModelError,
+            "extra",
+        ),
+    ],
+    ids=[
+        "no-config",
+        "no-weights",
+        "no-tokenizer",
+        "mistral",
+        "attention-bias",
+        "llama3-rope",
+        "linear-rope",
+        "untied-without-lm-head",
+        "missing-tensor",
+        "unexpected-tensor",
+    ],
+)
+def test_broken_or_unsupported_hf_directories_fail_clearly(
+    tmp_path: Path,
+    breakage: Callable[[Path], None],
+    error: type[Exception],
+    match: str,
+) -> None:
+    directory = make_tiny_llama(tmp_path / "tiny")
+    breakage(directory)
+    with pytest.raises(error, match=match):
+        load_model(directory, torch.float32, CPU)
+
+
+def test_missing_source_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "nothing.gguf", torch.float32, CPU)
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path / "nothing", torch.float32, CPU)
+
+
+def test_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="qwen2"):
+        load_model(path, torch.float32, CPU)
+
+
+@pytest.mark.real_model
+def test_copied_gguf_keeps_its_model_id(smollm2: LoadedModel, tmp_path: Path) -> None:
+    # Only the id's inputs are checked here: the name and the bytes, wherever the file lives.
+    from service.engine.loader import _content_hash
+
+    copy = tmp_path / default_model_path().name
+    shutil.copyfile(default_model_path(), copy)
+    assert smollm2.model_id == f"{smollm2.name}@{_content_hash([copy])}"

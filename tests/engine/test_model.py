@@ -1,0 +1,185 @@
+"""LlamaModel on a flat batch of tokens, checked against transformers' LlamaForCausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import LlamaForCausalLM
+
+from service.engine.loader import LoadedModel, load_model
+from service.engine.model import ModelArgs
+from tests.tiny_model import ContiguousAttention, make_tiny_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LoadedModel, LlamaForCausalLM]:
+    tied: bool = request.param
+    directory = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", tie_word_embeddings=tied)
+    ours = load_model(directory, torch.float32, CPU)
+    ref = LlamaForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return ours, ref
+
+
+def _tokens(n: int, seed: int = 0) -> Tensor:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel_error(ours: Tensor, ref: Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+@torch.inference_mode()
+def test_logits_match_transformers_through_prefill_then_decode(
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+) -> None:
+    ours, ref = tiny
+    ids = _tokens(24)
+    expected = ref(ids[None]).logits[0]  # [S, V]
+    model = ours.model
+    attention = ContiguousAttention(ours.args.num_layers)
+    prefill = 16
+    hidden = model(ids[:prefill], torch.arange(prefill), attention)  # [16, hidden]
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    for pos in range(prefill):
+        assert _rel_error(logits[pos], expected[pos]) <= 1e-4, pos
+    for pos in range(prefill, len(ids)):
+        hidden = model(ids[pos : pos + 1], torch.tensor([pos]), attention)  # [1, hidden]
+        assert _rel_error(model.compute_logits(hidden)[0], expected[pos]) <= 1e-4, pos
+
+
+@torch.inference_mode()
+def test_chunked_prefill_gives_the_same_logits_as_one_prefill(
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+) -> None:
+    model = tiny[0].model
+    ids = _tokens(13, seed=1)
+    whole = model.compute_logits(model(ids, torch.arange(13), ContiguousAttention(2)))
+    attention = ContiguousAttention(2)
+    chunks = []
+    for start, end in ((0, 5), (5, 10), (10, 13)):
+        chunks.append(
+            model.compute_logits(model(ids[start:end], torch.arange(start, end), attention))
+        )
+    assert _rel_error(torch.cat(chunks), whole) <= 1e-5
+
+
+class _SegmentAttention:
+    """Causal attention within each sequence of a flat batch (what the runner provides)."""
+
+    def __init__(self, seq_ids: Tensor, positions: Tensor) -> None:
+        same = seq_ids[:, None] == seq_ids[None, :]  # [T, T]
+        self.mask = same & (positions[None, :] <= positions[:, None])  # [T, T]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=self.mask,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)  # [T, H, D]
+
+
+@torch.inference_mode()
+def test_sequences_in_one_flat_batch_do_not_interact(
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+) -> None:
+    model = tiny[0].model
+    a, b = _tokens(7, seed=2), _tokens(4, seed=3)
+    alone_a = model.compute_logits(model(a, torch.arange(7), ContiguousAttention(2)))
+    alone_b = model.compute_logits(model(b, torch.arange(4), ContiguousAttention(2)))
+    positions = torch.cat([torch.arange(7), torch.arange(4)])
+    seq_ids = torch.tensor([0] * 7 + [1] * 4)
+    hidden = model(torch.cat([a, b]), positions, _SegmentAttention(seq_ids, positions))
+    together = model.compute_logits(hidden)
+    assert _rel_error(together, torch.cat([alone_a, alone_b])) <= 1e-5
+
+
+def test_layer_attention_gets_post_rope_heads_for_every_layer_in_order(
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+) -> None:
+    args = tiny[0].args
+    calls: list[int] = []
+    inner = ContiguousAttention(args.num_layers)
+
+    def recording(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        assert q.shape == (5, args.num_heads, args.head_dim)
+        assert k.shape == v.shape == (5, args.num_kv_heads, args.head_dim)
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        calls.append(layer)
+        return inner(layer, q, k, v)
+
+    with torch.inference_mode():
+        hidden = tiny[0].model(_tokens(5), torch.arange(5), recording)
+    assert hidden.shape == (5, args.hidden_size)
+    assert calls == list(range(args.num_layers))
+
+
+@torch.inference_mode()
+def test_bf16_model_returns_float32_logits_close_to_fp32(
+    tiny: tuple[LoadedModel, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    fp32 = tiny[0].model
+    directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=fp32.lm_head is None)
+    bf16 = load_model(directory, torch.bfloat16, CPU).model
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    ids = _tokens(9, seed=4)
+    low = bf16.compute_logits(bf16(ids, torch.arange(9), ContiguousAttention(2)))
+    high = fp32.compute_logits(fp32(ids, torch.arange(9), ContiguousAttention(2)))
+    assert low.dtype == torch.float32
+    assert _rel_error(low, high) < 0.05
+
+
+def test_tied_model_projects_logits_through_its_embedding(
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+) -> None:
+    loaded = tiny[0]
+    names = {name for name, _ in loaded.model.named_parameters()}
+    assert ("lm_head.weight" in names) == (not loaded.args.tie_word_embeddings)
+
+
+def _args(**overrides: object) -> ModelArgs:
+    fields: dict[str, object] = {
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+    }
+    fields.update(overrides)
+    return ModelArgs(**fields)  # type: ignore[arg-type]
+
+
+def test_model_args_accept_a_valid_gqa_shape() -> None:
+    args = _args()
+    assert (args.q_size, args.kv_size) == (64, 32)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_kv_heads": 3},
+        {"head_dim": 15},
+        {"num_layers": 0},
+        {"vocab_size": 10.0},
+        {"rope_theta": 0.0},
+        {"rms_norm_eps": -1e-5},
+    ],
+)
+def test_model_args_reject_inconsistent_shapes(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        _args(**overrides)
