@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from service.engine.blocks import Tier
 from service.engine.engine import EngineStats, LLMEngine, RequestError, RequestOutput
 from service.engine.params import SamplingParams
 
@@ -82,6 +83,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step (safe from any thread)."""
         return self._stats
+
+    def block_tiers(self, block_hashes: list[int]) -> list[Tier | None]:
+        """Where each block is now (device, CPU, or gone), for page maps.
+
+        Read from the loop while the engine thread may be moving blocks: a snapshot that can
+        be one step stale, which is all a page map promises.
+        """
+        tier_of = self.engine.block_manager.tier_of
+        return [tier_of(h) for h in block_hashes]
 
     @property
     def num_active_requests(self) -> int:

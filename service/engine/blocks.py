@@ -123,6 +123,17 @@ def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> 
     return int.from_bytes(h.digest(), "little")
 
 
+def hash_blocks(token_ids: list[int], block_size: int, namespace: str) -> list[int]:
+    """The chain hashes of every full block of `token_ids` (what a page map stores)."""
+    hashes: list[int] = []
+    for i in range(len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(
+            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], namespace)
+        )
+    return hashes
+
+
 @dataclass(slots=True)
 class _Counters:
     prefix_queries: int = 0
@@ -339,6 +350,11 @@ class BlockManager:
             blocks_copied=c.copied,
             blocks_dropped=c.dropped,
         )
+
+    def tier_of(self, block_hash: int) -> Tier | None:
+        """Where the block with this content hash is now, if it is anywhere."""
+        block = self._by_hash.get(block_hash)
+        return None if block is None else block.tier
 
     @property
     def num_free_device_blocks(self) -> int:
