@@ -27,4 +27,4 @@ unit: setup
 test: lint typecheck unit
 
 bench-engine: setup
-	$(PY) benchmarks/engine_step.py
+	$(PY) -m benchmarks.engine_step

@@ -6,7 +6,7 @@ generated tokens/s over the timed decode steps, mean step time, and the share of
 spent outside the model forward (scheduling, block moves and input tensors, sampling,
 detokenizing and stop checks).
 
-    .venv/bin/python benchmarks/engine_step.py [--batch 1 8 32 64] [--steps 20] [--dtype auto]
+    .venv/bin/python -m benchmarks.engine_step [--batch 1 8 32 64] [--steps 20] [--dtype auto]
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
         decode = DecodeGroup(
             rows=torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64, device=device),
             blocks=blocks,
-            offsets=(pos % bs).expand_as(blocks),
+            # Padding reads the sequence's own first token, never stale slots that may hold NaN.
+            offsets=torch.where(valid, pos % bs, 0),
             mask=valid[:, None, None, :],
         )
     prefills: list[PrefillChunk] = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -115,11 +116,19 @@ class BlockStats:
 
 
 def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
-    """Reproducible across processes and restarts (stored in Redis page maps)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent or 0).to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    h.update(namespace.encode())
+    """Reproducible across processes, restarts and hosts (stored in Redis page maps).
+
+    Fields are length-prefixed and little-endian, so no two inputs share a byte string: a
+    root block (no parent) differs from a child of a block that hashed to 0.
+    """
+    tokens = array("q", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    ns = namespace.encode()
+    h = hashlib.blake2b(digest_size=8, person=b"pagechat-kv-v1")
+    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    h.update(len(tokens).to_bytes(4, "little") + tokens.tobytes())
+    h.update(len(ns).to_bytes(4, "little") + ns)
     return int.from_bytes(h.digest(), "little")
 
 

@@ -2,8 +2,10 @@
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
 docs/perf.md and ../shared/FACTS.md):
-- dtype "auto" is bfloat16 on the CPU: batched decode ran ~2x faster than float32 at batch
-  8-64 with the same greedy tokens on the prompts tried; float32 where bit-exactness is asked.
+- dtype "auto" is bfloat16 on CUDA. On the CPU it is whichever of bfloat16 and float32 runs a
+  decode-sized matmul faster on this very CPU, timed once at start-up: CPUs with native bf16
+  (AVX512-BF16, AMX) decoded ~2x faster in bf16, while on an AVX2-only EPYC bf16 matmuls ran
+  ~7x slower than fp32 (docs/perf.md).
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -14,6 +16,8 @@ docs/perf.md and ../shared/FACTS.md):
 from __future__ import annotations
 
 import enum
+import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +80,23 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16
+            return torch.bfloat16 if self.torch_device().type == "cuda" else fastest_cpu_dtype()
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype not in dtypes:
             raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}")
         return dtypes[self.dtype]
+
+
+@functools.cache
+def fastest_cpu_dtype() -> torch.dtype:
+    """bfloat16 if this CPU multiplies decode-sized bf16 matrices clearly faster than fp32."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(32, 576).to(dtype)  # a batch-32 decode step of a small model
+        w = torch.randn(1536, 576).to(dtype)
+        torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(8):
+            torch.nn.functional.linear(x, w)
+        times[dtype] = time.perf_counter() - start
+    return torch.bfloat16 if times[torch.bfloat16] < 0.8 * times[torch.float32] else torch.float32

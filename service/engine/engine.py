@@ -44,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens found in the device prefix cache
     num_swapped_in_tokens: int  # prompt tokens brought back from the CPU pool
     num_output_tokens: int
+    # When the request was first admitted (time.monotonic()); queue time ends here.
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -334,4 +336,5 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
             num_output_tokens=seq.num_output_tokens,
+            first_scheduled_time=seq.first_scheduled_time,
         )

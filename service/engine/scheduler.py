@@ -14,6 +14,7 @@ Under greedy decoding it produces the same tokens it would have without the inte
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -156,6 +157,7 @@ class Scheduler:
             if seq.num_preemptions == 0:  # usage reports the first admission's hits
                 seq.num_cached_tokens = hit.num_device_tokens
                 seq.num_swapped_in_tokens = hit.num_cpu_tokens
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n))

@@ -59,6 +59,7 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # first admission (monotonic), for queue time
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ from service.engine.blocks import (
     OpKind,
     Tier,
     hash_block,
+    hash_blocks,
 )
 from service.engine.params import SamplingParams
 from service.engine.sequence import Sequence
@@ -38,7 +39,10 @@ POISON = -1  # what a slot holds when nothing may read it; kv_values() are never
 
 
 def kv_values(token_ids: list[int]) -> list[int]:
-    """The K/V a model writes at each position: a function of every token up to it."""
+    """The K/V a model writes at each position: a function of every token up to it.
+
+    hash() of ints and tuples is not salted per process, so failures replay exactly.
+    """
     values, prev = [], 0
     for token in token_ids:
         prev = hash((prev, token)) & ((1 << 62) - 1)
@@ -56,10 +60,10 @@ def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
     return hashes
 
 
-def make_seq(token_ids: list[int], sample_index: int = 0) -> Sequence:
+def make_seq(token_ids: list[int]) -> Sequence:
     return Sequence(
         request_id="req",
-        sample_index=sample_index,
+        sample_index=0,
         token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids),
         params=SamplingParams(),
@@ -129,11 +133,24 @@ def commit_computed(bm: BlockManager, kv: KVStore, seq: Sequence, n: int) -> Non
 
 def admit(bm: BlockManager, kv: KVStore, seq: Sequence, chunk: int) -> bool:
     hit = bm.find_prefix(seq)
+    assert hit.num_tokens < seq.num_tokens, "the last token is never a hit"
     n = min(seq.num_tokens - hit.num_tokens, chunk)
     if not bm.can_allocate(seq, hit, n):
         return False
+    found_on_cpu = sum(b.tier is Tier.CPU for b in hit.blocks) * bm.block_size
+    before = bm.stats()
     bm.allocate(seq, hit, n)
     kv.run_ops()
+    after = bm.stats()
+    assert (hit.num_cpu_tokens, hit.num_device_tokens) == (
+        found_on_cpu,
+        hit.num_tokens - found_on_cpu,
+    ), "a hit reports where its blocks were found, even once they are swapped in"
+    assert after.prefix_queries - before.prefix_queries == seq.num_tokens
+    assert after.prefix_cpu_hits - before.prefix_cpu_hits == found_on_cpu
+    assert after.prefix_hits - before.prefix_hits == hit.num_tokens - found_on_cpu
+    assert seq.block_table[: len(hit.blocks)] == list(hit.blocks)
+    assert seq.num_computed_tokens == hit.num_tokens
     commit_computed(bm, kv, seq, n)
     return True
 
@@ -160,14 +177,24 @@ def fork(bm: BlockManager, kv: KVStore, parent: Sequence, sample_index: int) -> 
 
 
 def manager(
-    num_device_blocks: int, num_cpu_blocks: int, block_size: int, **kwargs: object
+    num_device_blocks: int,
+    num_cpu_blocks: int,
+    block_size: int,
+    *,
+    mode: AllocationMode = AllocationMode.PAGED,
+    max_model_len: int = 0,
+    enable_prefix_caching: bool = True,
+    watermark_blocks: int = 0,
 ) -> tuple[BlockManager, KVStore]:
     bm = BlockManager(
         num_device_blocks,
         num_cpu_blocks,
         block_size,
         namespace=NAMESPACE,
-        **kwargs,  # type: ignore[arg-type]
+        enable_prefix_caching=enable_prefix_caching,
+        mode=mode,
+        max_model_len=max_model_len,
+        watermark_blocks=watermark_blocks,
     )
     return bm, KVStore(bm, num_device_blocks, num_cpu_blocks)
 
@@ -274,7 +301,7 @@ def test_a_prefix_hit_on_a_cpu_block_swaps_it_back_in_bit_exact() -> None:
     other = make_seq([7, 8, 9])
     assert admit(bm, kv, other, chunk=3)
     bm.free(other)
-    assert tail.tier is Tier.CPU
+    assert (tail.tier, tail.slot) == (Tier.CPU, 0)
 
     again = make_seq([1, 2, 3, 4, 6])
     hit = bm.find_prefix(again)
@@ -292,18 +319,34 @@ def test_a_prefix_hit_on_a_cpu_block_swaps_it_back_in_bit_exact() -> None:
     assert (stats.prefix_hits, stats.prefix_cpu_hits, stats.blocks_swapped_in) == (2, 2, 1)
 
 
+def test_the_device_evicts_the_least_recently_released_block_first() -> None:
+    bm, kv = manager(3, 4, 2)
+    for tokens in ([1, 2, 3], [4, 5, 6]):
+        seq = make_seq(tokens)
+        assert admit(bm, kv, seq, chunk=3)
+        bm.free(seq)
+    reuse = make_seq([1, 2, 9])  # [1, 2] is a hit again, then released after [4, 5]
+    assert admit(bm, kv, reuse, chunk=3)
+    bm.free(reuse)
+    other = make_seq([7, 8, 9])
+    assert admit(bm, kv, other, chunk=3)  # two slots: the free one, then the LRU victim
+    assert bm.find_prefix(make_seq([4, 5, 6])).num_cpu_tokens == 2
+    assert bm.find_prefix(make_seq([1, 2, 3])).num_device_tokens == 2
+
+
 def test_the_cpu_pool_drops_its_own_lru_block_when_full() -> None:
-    bm, kv = manager(2, 1, 2)
-    for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+    bm, kv = manager(2, 2, 2)
+    for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9], [3, 2, 1]):
         seq = make_seq(tokens)
         assert admit(bm, kv, seq, chunk=3)
         bm.free(seq)
     stats = bm.stats()
-    assert (stats.blocks_swapped_out, stats.blocks_dropped) == (2, 1)
-    assert (stats.cpu.cached, stats.device.cached) == (1, 1)
-    assert bm.find_prefix(make_seq([1, 2, 3])).num_tokens == 0  # dropped
+    assert (stats.blocks_swapped_out, stats.blocks_dropped) == (3, 1)
+    assert (stats.cpu.cached, stats.device.cached) == (2, 1)
+    assert bm.find_prefix(make_seq([1, 2, 3])).num_tokens == 0  # the first swapped out
     assert bm.find_prefix(make_seq([4, 5, 6])).num_cpu_tokens == 2
-    assert bm.find_prefix(make_seq([7, 8, 9])).num_device_tokens == 2
+    assert bm.find_prefix(make_seq([7, 8, 9])).num_cpu_tokens == 2
+    assert bm.find_prefix(make_seq([3, 2, 1])).num_device_tokens == 2
 
 
 def test_allocating_several_cpu_hits_with_both_pools_full_keeps_every_hit() -> None:
@@ -321,6 +364,19 @@ def test_allocating_several_cpu_hits_with_both_pools_full_keeps_every_hit() -> N
     assert all(b.tier is Tier.DEVICE for b in again.block_table)
     kv.assert_computed_positions_intact(again)
     bm.check_invariants([again])
+
+
+def test_claiming_a_cached_device_hit_takes_it_off_the_evictable_list() -> None:
+    bm, kv = manager(2, 0, 2)
+    first = make_seq([1, 2, 3])
+    assert admit(bm, kv, first, chunk=3)
+    bm.free(first)  # one block cached, one free
+    again = make_seq([1, 2, 3, 4, 5])
+    hit = bm.find_prefix(again)
+    assert hit.num_device_tokens == 2
+    assert bm.num_free_device_blocks == 2
+    assert not bm.can_allocate(again, hit, 3)  # the hit and two more: three blocks
+    assert bm.can_allocate(again, hit, 2)
 
 
 def test_blocks_in_use_are_never_evicted() -> None:
@@ -386,6 +442,18 @@ def test_the_copy_is_issued_before_the_write_and_after_any_eviction_for_its_slot
     kv.assert_computed_positions_intact(child)
 
 
+def test_growing_past_a_shared_partial_block_needs_room_for_its_copy_too() -> None:
+    bm, kv = manager(3, 0, 4)
+    parent = make_seq([1, 2, 3, 4, 5, 6])
+    assert admit(bm, kv, parent, chunk=3)
+    fork(bm, kv, parent, 1)
+    filler = make_seq([7])
+    assert admit(bm, kv, filler, chunk=1)
+    # Tokens 3..5 need a copy of the shared block and a new block: two, with one free.
+    assert not bm.can_append(parent, 3)
+    assert bm.can_append(parent, 1)
+
+
 def test_full_shared_blocks_are_never_copied() -> None:
     bm, kv = manager(8, 0, 2)
     parent = make_seq([1, 2, 3, 4])
@@ -428,6 +496,32 @@ def test_swap_out_moves_only_private_blocks_and_swap_in_brings_them_back() -> No
     assert decode(bm, kv, parent, 8)
     kv.assert_computed_positions_intact(parent)
     bm.check_invariants([parent, child])
+
+
+def test_can_swap_in_counts_the_blocks_the_next_tokens_need() -> None:
+    bm, kv = manager(3, 4, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=4)
+    bm.swap_out(seq)
+    kv.run_ops()
+    filler = make_seq([7])
+    assert admit(bm, kv, filler, chunk=1)
+    assert bm.can_swap_in(seq, 0)
+    assert not bm.can_swap_in(seq, 1)  # token 4 starts a third block
+
+
+def test_a_swapped_out_sequence_freed_leaves_its_full_blocks_cached_on_the_cpu() -> None:
+    bm, kv = manager(4, 4, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=5)
+    bm.swap_out(seq)
+    kv.run_ops()
+    bm.free(seq)
+    assert (bm.stats().cpu.cached, bm.stats().cpu.free) == (2, 2)
+    again = make_seq([1, 2, 3, 4, 5])
+    assert bm.find_prefix(again).num_cpu_tokens == 4
+    assert admit(bm, kv, again, chunk=1)
+    kv.assert_computed_positions_intact(again)
 
 
 def test_swap_out_needs_room_for_every_private_block() -> None:
@@ -474,11 +568,11 @@ def test_contiguous_fork_copies_only_the_computed_blocks() -> None:
 # ---------------------------------------------------------------------- hashes, stats, checks
 
 
-def test_hash_block_is_reproducible_across_processes_and_releases() -> None:
+def test_hash_block_values_are_pinned_so_stored_page_maps_stay_valid() -> None:
     # Page maps in Redis outlive the process: these values must never change.
     first = hash_block(None, [1, 2, 3, 4], NAMESPACE)
-    assert first == 8411237102276951235
-    assert hash_block(first, [5, 6, 7, 8], NAMESPACE) == 16770433948669425468
+    assert first == 15144478872839961911
+    assert hash_block(first, [5, 6, 7, 8], NAMESPACE) == 13569300167870941280
 
 
 def test_hash_block_depends_on_parent_tokens_and_namespace() -> None:
@@ -488,6 +582,29 @@ def test_hash_block_depends_on_parent_tokens_and_namespace() -> None:
     assert hash_block(base, [1, 2], NAMESPACE) != base
     assert hash_block(None, [2, 1], NAMESPACE) != base
     assert hash_block(None, [1, 2], NAMESPACE + "/salt") != base
+
+
+def test_hash_blocks_chains_every_full_block_and_ignores_the_partial_tail() -> None:
+    tokens = [1, 2, 3, 4, 5]
+    assert hash_blocks(tokens, 2, NAMESPACE) == chain_hashes(tokens, 2)
+    assert len(hash_blocks(tokens, 2, NAMESPACE)) == 2
+    assert hash_blocks(tokens[:1], 2, NAMESPACE) == []
+
+
+def test_tier_of_follows_a_hashed_block_between_tiers_until_it_is_dropped() -> None:
+    bm, kv = manager(2, 1, 2)
+    first = make_seq([1, 2, 3])
+    assert admit(bm, kv, first, chunk=3)
+    (h,) = hash_blocks(first.token_ids, 2, NAMESPACE)
+    assert bm.tier_of(h) is Tier.DEVICE
+    bm.free(first)
+    second = make_seq([4, 5, 6])
+    assert admit(bm, kv, second, chunk=3)  # evicts [1, 2] to the CPU pool
+    assert bm.tier_of(h) is Tier.CPU
+    bm.free(second)
+    third = make_seq([7, 8, 9])
+    assert admit(bm, kv, third, chunk=3)  # evicts [4, 5]; the full CPU pool drops [1, 2]
+    assert bm.tier_of(h) is None
 
 
 def test_stats_count_usage_per_tier_and_prefix_queries() -> None:
@@ -522,7 +639,7 @@ def test_check_invariants_catches_a_slot_in_two_places() -> None:
     seq = make_seq([1, 2, 3])
     assert admit(bm, kv, seq, chunk=3)
     seq.block_table[1].slot = seq.block_table[0].slot
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="misplaced"):
         bm.check_invariants([seq])
 
 
@@ -533,7 +650,7 @@ def test_check_invariants_catches_a_table_holding_a_released_block() -> None:
     stale = list(seq.block_table)
     bm.free(seq)
     seq.block_table.extend(stale)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="released"):
         bm.check_invariants([seq])
 
 
@@ -548,7 +665,7 @@ def test_is_idle_balanced_only_once_everything_is_released() -> None:
 
 # ---------------------------------------------------------------------- the stateful property
 
-TOKENS = st.integers(0, 1)  # a tiny alphabet, so prefix hits are frequent
+TOKENS = st.integers(0, 2)  # a tiny alphabet, so prefix hits are frequent
 INDEX = st.integers(0, 15)
 CHUNK = st.integers(1, 6)
 MAX_LIVE = 6
@@ -559,14 +676,18 @@ def pick(seqs: list[Sequence], index: int) -> Sequence:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """The engine's use of the manager, at random, against a simulated KV store."""
+    """The engine's use of the manager, at random, against a simulated KV store.
+
+    As in the engine, a running sequence whose tokens are all computed samples its next token
+    at once, so a sequence at rest (running, swapped or waiting) has a token to compute.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.waiting: list[Sequence] = []  # holding no blocks: new, or preempted to recompute
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.histories: list[list[int]] = []  # conversations so far, to continue later
+        self.histories: list[list[int]] = []  # conversations so far, to resume later
         self.hash_tokens: dict[int, list[int]] = {}  # block hash -> the tokens it covers
         self.seen: dict[int, Block] = {}  # every block handle that may still hold content
 
@@ -594,8 +715,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         watermark_blocks: int,
     ) -> None:
         if mode is AllocationMode.CONTIGUOUS:
-            # At least one sequence's reservation fits (the watermark aside).
-            max_model_len = min(max_model_len, num_device_blocks * block_size)
+            # Room for about three reservations, so that forks and pressure happen.
+            max_model_len = max(2, min(max_model_len, num_device_blocks * block_size // 3))
         else:
             max_model_len = 24
         self.max_len = max_model_len
@@ -615,38 +736,63 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(suffix=st.lists(TOKENS, min_size=1, max_size=8), index=INDEX, resume=st.booleans())
     def new_request(self, suffix: list[int], index: int, resume: bool) -> None:
         """A new prompt, or a conversation resumed: an earlier one's tokens plus more."""
-        prefix = self.histories[index % len(self.histories)] if resume and self.histories else []
-        self.waiting.append(make_seq((prefix + suffix)[: self.max_len]))
+        self.waiting.append(make_seq(self._prompt(suffix, index, resume)))
 
     @precondition(lambda self: self.waiting)
-    @rule(index=INDEX, chunk=CHUNK)
-    def schedule(self, index: int, chunk: int) -> None:
+    @rule(index=INDEX, chunk=CHUNK, token=TOKENS)
+    def schedule(self, index: int, chunk: int, token: int) -> None:
         seq = pick(self.waiting, index)
         if admit(self.bm, self.kv, seq, chunk):
             self.waiting.remove(seq)
             self.running.append(seq)
+            self._sample(seq, token)
 
     @precondition(lambda self: self.running)
-    @rule(index=INDEX, chunk=CHUNK, token=TOKENS)
-    def step(self, index: int, chunk: int, token: int) -> None:
-        """Prefill the next chunk, or decode one sampled token; finish at max length."""
-        seq = pick(self.running, index)
-        if seq.num_uncomputed_tokens == 0:
-            if seq.num_tokens >= self.max_len:
+    @rule(
+        indices=st.lists(INDEX, min_size=1, max_size=3),
+        chunk=CHUNK,
+        tokens=st.lists(TOKENS, min_size=3, max_size=3),
+    )
+    def step(self, indices: list[int], chunk: int, tokens: list[int]) -> None:
+        """One engine step over a few running sequences: room for all, the ops, then K/V."""
+        batch: list[tuple[Sequence, int]] = []
+        for seq in dict.fromkeys(pick(self.running, i) for i in indices):
+            if seq.num_uncomputed_tokens == 0:  # at max length
                 self._finish(seq)
-                return
-            seq.token_ids.append(token)
-        blocks_before = len(seq.block_table)
-        extend(self.bm, self.kv, seq, min(seq.num_uncomputed_tokens, chunk))
-        if self.bm.mode is AllocationMode.CONTIGUOUS:
-            assert len(seq.block_table) == blocks_before
+                continue
+            n = min(seq.num_uncomputed_tokens, chunk)
+            blocks_before = len(seq.block_table)
+            if self.bm.can_append(seq, n):
+                self.bm.append_slots(seq, n)
+                batch.append((seq, n))
+            if self.bm.mode is AllocationMode.CONTIGUOUS:
+                assert len(seq.block_table) == blocks_before, "contiguous mode never grows"
+        self.kv.run_ops()
+        for (seq, n), token in zip(batch, tokens, strict=False):
+            commit_computed(self.bm, self.kv, seq, n)
+            self._sample(seq, token)
+
+    @precondition(lambda self: self.running)
+    @rule(index=INDEX, token=TOKENS)
+    def fill(self, index: int, token: int) -> None:
+        """Grow a sequence by the most tokens that fit: accounting errors live at the edge."""
+        seq = pick(self.running, index)
+        fits = [n for n in range(1, seq.num_uncomputed_tokens + 1) if self.bm.can_append(seq, n)]
+        if fits:
+            assert extend(self.bm, self.kv, seq, fits[-1])
+            self._sample(seq, token)
 
     @precondition(lambda self: self.running and len(self.live) < MAX_LIVE)
-    @rule(index=INDEX)
-    def fork(self, index: int) -> None:
+    @rule(index=INDEX, token=TOKENS)
+    def fork(self, index: int, token: int) -> None:
+        """Another sample of `parent`; it draws its own next token if that one is pending."""
         parent = pick(self.running, index)
-        if self.bm.can_fork(parent):
-            self.running.append(fork(self.bm, self.kv, parent, parent.sample_index + 1))
+        if not self.bm.can_fork(parent):
+            return
+        child = fork(self.bm, self.kv, parent, parent.sample_index + 1)
+        if child.num_uncomputed_tokens == 1 and child.num_output_tokens > 0:
+            child.token_ids[-1] = token
+        self.running.append(child)
 
     @precondition(lambda self: self.live)
     @rule(index=INDEX)
@@ -664,17 +810,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.swapped.append(seq)
 
     @precondition(lambda self: self.swapped)
-    @rule(index=INDEX, chunk=st.integers(0, 4))
-    def swap_in(self, index: int, chunk: int) -> None:
+    @rule(index=INDEX, chunk=CHUNK, token=TOKENS)
+    def swap_in(self, index: int, chunk: int, token: int) -> None:
+        """Resume a swapped sequence with its next chunk, as the scheduler does."""
         seq = pick(self.swapped, index)
         n = min(seq.num_uncomputed_tokens, chunk)
-        if self.bm.can_swap_in(seq, n):
-            self.bm.swap_in(seq)
-            self.kv.run_ops()
-            self.swapped.remove(seq)
-            self.running.append(seq)
-            if n:  # can_swap_in promised room for the next n tokens too
-                assert extend(self.bm, self.kv, seq, n)
+        if not self.bm.can_swap_in(seq, n):
+            return
+        self.bm.swap_in(seq)
+        self.kv.run_ops()
+        self.swapped.remove(seq)
+        self.running.append(seq)
+        if n:
+            assert self.bm.can_append(seq, n), "can_swap_in promised room for the next chunk"
+            assert extend(self.bm, self.kv, seq, n)
+            self._sample(seq, token)
 
     @precondition(lambda self: self.running or self.swapped)
     @rule(index=INDEX)
@@ -688,16 +838,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         (self.running if seq in self.running else self.swapped).remove(seq)
         self.waiting.append(seq)
 
-    @rule(token_ids=st.lists(st.integers(2, 3), min_size=1, max_size=16))
-    def pressure(self, token_ids: list[int]) -> None:
-        """Another request passes through: it takes what room it can, then leaves it cached."""
-        seq = make_seq(token_ids[: self.max_len])
+    @rule(suffix=st.lists(TOKENS, min_size=1, max_size=12), index=INDEX, resume=st.booleans())
+    def pressure(self, suffix: list[int], index: int, resume: bool) -> None:
+        """A one-shot request passes through: it takes what room it can and leaves it cached."""
+        seq = make_seq(self._prompt(suffix, index, resume))
         for chunk in range(seq.num_tokens, 0, -1):
             if admit(self.bm, self.kv, seq, chunk):
-                self._observe(seq)
-                self.bm.free(seq)
-                self.kv.run_ops()
+                self._finish(seq)
                 return
+
+    def _prompt(self, suffix: list[int], index: int, resume: bool) -> list[int]:
+        prefix = self.histories[index % len(self.histories)] if resume and self.histories else []
+        return (prefix + suffix)[: self.max_len]
+
+    def _sample(self, seq: Sequence, token: int) -> None:
+        if seq.num_uncomputed_tokens == 0 and seq.num_tokens < self.max_len:
+            seq.token_ids.append(token)
 
     def _finish(self, seq: Sequence) -> None:
         self._observe(seq)
@@ -706,7 +862,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        self.histories.append(list(seq.token_ids))
+        self.histories.append(seq.token_ids[: seq.num_computed_tokens])
 
     def _observe(self, seq: Sequence) -> None:
         """Remember `seq`'s blocks and what its block hashes cover, to check them later."""
@@ -752,6 +908,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if block.block_hash is not None:
                 tokens = self.hash_tokens[block.block_hash]
                 assert kv.read(block) == kv_values(tokens)[-bs:], "cached block content"
+                assert bm.tier_of(block.block_hash) is block.tier
 
         stats = bm.stats()
         for tier, usage in ((Tier.DEVICE, stats.device), (Tier.CPU, stats.cpu)):
@@ -781,7 +938,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=300,
     stateful_step_count=40,
     derandomize=True,
     database=None,

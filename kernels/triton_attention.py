@@ -1,0 +1,393 @@
+# mypy: allow-incomplete-defs
+# (the @triton.jit kernels annotate only their tl.constexpr parameters)
+"""Unified paged attention for a mixed batch (prefill chunks and decode tokens) in Triton.
+
+One launch covers the whole batch, semantics as `kernels.reference.paged_attention`: sequence i
+owns query rows [qsl[i], qsl[i+1]) at the end of its `seq_len` tokens of context, and each row
+attends to the context positions up to its own through the block table.
+
+Grid `(q_blocks, kv_heads, splits)`. A program takes BLOCK_Q consecutive query tokens of one
+sequence and every query head of one KV head, flattened into BLOCK_M = BLOCK_Q * GROUP rows
+(row r: token r // GROUP, head r % GROUP), so each K/V tile is loaded once per KV head and
+serves the whole GQA group; BLOCK_M is at least 16 because `tl.dot` needs M >= 16 on GPUs. It
+walks the context in TILE_N-token tiles, looking up each token's physical block, with an
+online softmax in fp32 (exp2, the scale folded with log2(e)).
+
+Split-KV (flash-decoding): when the batch alone gives too few programs to fill the GPU (small
+decode batches over long contexts), each tile's context is cut into NUM_SPLITS equal ranges,
+one program each; they write unnormalised partial results (acc, running max m, sum l) to a
+scratch buffer and `_reduce_splits_kernel` merges them. Every program of a live q-block
+writes all its splits, empty ones included (m = -inf, l = 0, acc = 0), so the reduce needs no
+knowledge of the sequences.
+
+Q-block to sequence: sequence i owns q-blocks [qsl[i] // BLOCK_Q + i, ... + cdiv(q_len,
+BLOCK_Q)); a program finds its sequence by binary search over query_start_loc, so the grid
+needs only host-known totals (`num_tokens // BLOCK_Q + num_seqs` programs bound them) and
+nothing is copied to the device per step. Decode-only batches (one token per sequence) map
+program i to sequence i directly.
+
+These launchers trust their inputs: `kernels.triton_backend.TritonBackend` validates shapes,
+dtypes, devices and block ids before calling them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Read the way Triton reads it when the @triton.jit decorators below run.
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "on", "yes"}
+LOG2_E = 1.4426950408889634
+# Split-KV policy, tuned on an H200 (132 SMs) with CUDA-graph timings of decode batches:
+# splits double while the doubled grid still fits in about one wave of resident programs
+# (4 per SM at head_dim 128, 8 at 64, whose programs are lighter) and each split keeps at
+# least one 64-token tile; more waves or thinner splits measured slower.
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest i with qsl[i] // BLOCK_Q + i <= q_block (sequence i owns that q-block)."""
+    # Annotated so both stay int32 loop-carried values even when num_seqs is specialised to 1.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 accumulating dot; fp32 inputs in true fp32 (a GPU would default to TF32).
+
+    UPCAST: the interpreter multiplies bf16 operands as their raw uint16 bits (Triton 3.9
+    `create_dot`), so under it 16-bit operands go through fp32 instead, same values.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, D]
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [N, bs, Hkv, D]
+    v_cache_ptr,  # [N, bs, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B + 1] int32
+    part_out_ptr,  # [T, Hq, S, D] fp32 (split-KV only)
+    part_m_ptr,  # [T, Hq, S] fp32
+    part_l_ptr,  # [T, Hq, S] fp32
+    scale_log2,
+    num_seqs,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ONE_TOKEN_PER_SEQ: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if ONE_TOKEN_PER_SEQ:
+        seq = q_block
+        local_block = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        local_block = q_block - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    # The grid over-counts q-blocks by at most one per sequence; the spare programs stop here.
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = local_block * BLOCK_Q + rows // GROUP  # [M] token index inside the chunk
+    head = kv_head * GROUP + rows % GROUP  # [M]
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)  # [M]
+    pos = ctx_len + tok  # [M] context position of each row's token
+    dims = tl.arange(0, HEAD_DIM)
+    t_glob = (q_start + tok).to(tl.int64)  # [M]
+    q = tl.load(
+        q_ptr + t_glob[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )  # [M, D]
+
+    # The tile's last token sees the most context; rows before it are masked causally.
+    kv_end = tl.minimum(seq_len, ctx_len + (local_block + 1) * BLOCK_Q)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, TILE_N):
+        kpos = start + tl.arange(0, TILE_N)  # [N]
+        kmask = kpos < hi
+        blk = tl.load(table + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)  # [N]
+        slot = kpos % PAGE_SIZE
+        k_off = blk * stride_kb + slot * stride_ko + kv_head * stride_kh  # [N]
+        v_off = blk * stride_vb + slot * stride_vo + kv_head * stride_vh  # [N]
+        k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=kmask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kmask[:, None], other=0.0)
+        # k: [D, N], v: [N, D]
+        s = _dot(q, k, IEEE_DOT, UPCAST_DOT)
+        s = s * scale_log2  # [M, N], log2 domain
+        allowed = kmask[None, :] & (kpos[None, :] <= pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing allowed yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])  # [M, N]
+        alpha = tl.exp2(m_i - m_safe)  # [M]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = _dot(p.to(v.dtype), v, IEEE_DOT, UPCAST_DOT)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + t_glob[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+    else:
+        part = (t_glob * num_q_heads + head) * NUM_SPLITS + split  # [M]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [T, Hq, D]
+    part_out_ptr,  # [T, Hq, S, D] fp32
+    part_m_ptr,  # [T, Hq, S] fp32
+    part_l_ptr,  # [T, Hq, S] fp32
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_q_heads + head) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_m_ptr + base + splits)  # [S]
+    lsum = tl.load(part_l_ptr + base + splits)  # [S]
+    acc = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :])  # [S, D]
+    # Split 0 holds context position 0, which every row sees, so m_max is finite.
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # [S]; empty splits (m = -inf) weigh 0
+    total = tl.sum(w * lsum, 0)
+    out = tl.sum(w[:, None] * acc, 0) / total  # [D]
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty)
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionLaunch:
+    """Tiling, grid and split count of one attention launch (host arithmetic only)."""
+
+    group: int  # query heads per KV head
+    block_m: int  # rows per program: block_q tokens x group heads, padded to a power of two
+    block_q: int
+    tile_n: int  # context tokens per inner-loop step
+    num_q_blocks: int  # grid dim 0 (an upper bound when a sequence has several tokens)
+    num_splits: int
+    one_token_per_seq: bool
+    num_warps: int
+    num_stages: int
+
+
+def choose_launch(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    split_kv: int | None = None,
+) -> AttentionLaunch:
+    """Pick tiles and split-KV for a batch. `split_kv` forces the split count (a power of two)."""
+    group = num_q_heads // num_kv_heads
+    fp32 = dtype == torch.float32
+    one_token = max_query_len == 1
+    # Prefill rows want a taller tile for the tensor cores, short chunks a smaller one. fp32
+    # dots run on the FMA units (true fp32) and spill registers past 16 rows: fp32 stays at 16.
+    max_rows = 16 if one_token or fp32 else 64
+    want = min(max_rows, triton.next_power_of_2(max_query_len * group))
+    block_m = max(16, want, triton.next_power_of_2(group))
+    if one_token:
+        block_q = 1
+        num_q_blocks = num_seqs
+    else:
+        block_q = block_m // group
+        num_q_blocks = num_tokens // block_q + num_seqs
+    # fp32 tiles are twice the bytes: half the tokens keep shared memory per stage alike.
+    tile_n = 32 if fp32 else 64
+    if split_kv is None:
+        per_sm = 8 if head_dim <= 64 else 4
+        num_splits = _split_count(num_q_blocks * num_kv_heads, max_seq_len, per_sm * num_sms)
+    else:
+        if split_kv < 1 or split_kv & (split_kv - 1):
+            raise ValueError(f"split_kv must be a power of two, got {split_kv}")
+        num_splits = split_kv
+    return AttentionLaunch(
+        group=group,
+        block_m=block_m,
+        block_q=block_q,
+        tile_n=tile_n,
+        num_q_blocks=num_q_blocks,
+        num_splits=num_splits,
+        one_token_per_seq=one_token,
+        num_warps=8 if fp32 else 4,
+        # A third stage paid off for head_dim 128 and for prefill tiles; not at 64 in decode.
+        num_stages=3 if head_dim >= 128 or not one_token else 2,
+    )
+
+
+def _split_count(programs: int, max_seq_len: int, resident: int) -> int:
+    """Double the splits while the doubled grid fits in `resident` programs (one wave)."""
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and 2 * programs * splits <= resident
+        and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT
+    ):
+        splits *= 2
+    return splits
+
+
+def split_scratch(
+    num_tokens: int, num_q_heads: int, head_dim: int, launch: AttentionLaunch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial results of split-KV: acc [T, Hq, S, D], m and l [T, Hq, S], all fp32.
+
+    Without splits the kernel never touches them, and one-element placeholders stand in.
+    """
+    shape = (num_tokens, num_q_heads, launch.num_splits) if launch.num_splits > 1 else (1, 1, 1)
+    head_dim = head_dim if launch.num_splits > 1 else 1
+    part_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+    part_m = torch.empty(shape, dtype=torch.float32, device=device)
+    part_l = torch.empty(shape, dtype=torch.float32, device=device)
+    return part_out, part_m, part_l
+
+
+def launch_paged_attention(
+    out: torch.Tensor,  # [T, Hq, D]
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    value_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    launch: AttentionLaunch,
+    scale: float,
+) -> None:
+    """Launch attention (and the split reduce); inputs already validated by the caller."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    part_out, part_m, part_l = scratch
+    grid = (launch.num_q_blocks, num_kv_heads, launch.num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_m,
+        part_l,
+        scale * LOG2_E,
+        seq_lens.shape[0],
+        num_q_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=launch.group,
+        BLOCK_M=launch.block_m,
+        BLOCK_Q=launch.block_q,
+        TILE_N=launch.tile_n,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=key_cache.shape[1],
+        NUM_SPLITS=launch.num_splits,
+        ONE_TOKEN_PER_SEQ=launch.one_token_per_seq,
+        IEEE_DOT=query.dtype == torch.float32,
+        UPCAST_DOT=INTERPRETER and query.dtype == torch.bfloat16,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
+    if launch.num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_m,
+            part_l,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=launch.num_splits,
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
