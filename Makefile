@@ -2,12 +2,16 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test lint typecheck unit bench-engine generate
+.PHONY: setup run chat test lint typecheck unit bench-engine generate
 
 setup:
 	@scripts/setup-env.sh
 
+# The chat service on http://127.0.0.1:8000 (bundled model, embedded Redis under ./data).
 run: setup
+	$(PY) -m service.cli serve $(ARGS)
+
+chat: setup
 	$(PY) -m service.cli chat
 
 generate: setup

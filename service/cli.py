@@ -2,6 +2,7 @@
 
 pagechat generate "PROMPT"   one streamed chat answer
 pagechat chat                a multi-turn chat; every turn reuses the previous turns' KV
+pagechat serve               the WebSocket chat service (docs/protocol.md)
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: bundled)"
     )
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16) | float32 | float16")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on CUDA; the faster of bf16/fp32 on the CPU)"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -107,6 +110,18 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    from service.api.options import add_arguments
+
+    add_arguments(parser)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from service.api.server import serve as run_server
+
+    return run_server(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagechat")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ch = sub.add_parser("chat", help="chat in the terminal")
     _engine_args(ch)
     ch.set_defaults(func=chat)
+    sv = sub.add_parser("serve", help="serve the WebSocket chat API (docs/protocol.md)")
+    _serve_args(sv)
+    sv.set_defaults(func=serve)
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

@@ -25,8 +25,7 @@ MAX_TOKENS = 5
 def prompts(n: int, seed: int, lengths: tuple[int, int] = (5, 40)) -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {
-        f"r{i}": [rng.randrange(17, 49152) for _ in range(rng.randint(*lengths))]
-        for i in range(n)
+        f"r{i}": [rng.randrange(17, 49152) for _ in range(rng.randint(*lengths))] for i in range(n)
     }
 
 

@@ -1,0 +1,74 @@
+"""Server settings: where to listen, which Redis, and every limit in one dataclass.
+
+`pagechat serve` fills these from its options, each of which defaults to a PAGECHAT_*
+environment variable (see `service.api.server`).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.engine.config import EngineConfig
+
+
+@dataclass(slots=True)
+class Limits:
+    """What one client may ask for, and what the server takes on at once.
+
+    Every limit is enforced with an error frame (docs/protocol.md), never a crash.
+    """
+
+    max_connections: int = 512  # open WebSockets; the next one gets too_many_connections
+    max_inflight_turns: int = 256  # answers queued or running; the next gets overloaded
+    max_frame_bytes: int = 64 * 1024  # larger frames get frame_too_large
+    # The transport's own cap: larger frames close the connection (1009) before we see them.
+    ws_max_size: int = 1024 * 1024
+    max_message_chars: int = 16_000  # a user message's content
+    max_system_chars: int = 8_000  # a session's system prompt
+    default_max_tokens: int = 512
+    max_tokens: int = 2048  # the most a user message may ask for
+    session_ttl_s: int = 7 * 24 * 3600  # Redis keys expire this long after the last activity
+    drain_timeout_s: float = 10.0  # on shutdown, answers get this long to finish
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_connections",
+            "max_inflight_turns",
+            "max_frame_bytes",
+            "max_message_chars",
+            "max_system_chars",
+            "default_max_tokens",
+            "max_tokens",
+            "session_ttl_s",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.ws_max_size < self.max_frame_bytes:
+            raise ValueError("ws_max_size must be >= max_frame_bytes")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens must be <= max_tokens")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (logged at start-up)
+    redis_url: str | None = None  # None: an embedded Redis persisting under data_dir
+    redis_prefix: str = "pagechat:"
+    data_dir: Path = Path("data")
+    replica_id: str = field(default_factory=socket.gethostname)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    limits: Limits = field(default_factory=Limits)
+    lag_interval_s: float = 0.05  # the event-loop lag probe's sleep
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in 0..65535")
+        if self.lag_interval_s <= 0:
+            raise ValueError("lag_interval_s must be > 0")
+        self.data_dir = Path(self.data_dir)

@@ -1,0 +1,303 @@
+"""One /v1/chat WebSocket: an explicit state machine around a session and its answers.
+
+    CONNECTING --accept--> ACCEPTED --open/resume--> READY --user--> STREAMING --done--> READY
+    any state --------------------------------------------------------------------> CLOSED
+
+Invalid transitions raise. Frames are read by one loop; an answer runs in its own task, so
+`cancel` (and a second `user`, refused with `busy`) are heard while it streams.
+NOTE: whatever ends the connection (the client leaving, a fatal error, shutdown, a bug), the
+`finally` of `serve` cancels the answer, which aborts its engine request and releases its
+blocks, waits for the partial answer to be stored, and releases the connection's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import redis.exceptions
+from starlette.websockets import (
+    WebSocket,
+    WebSocketDisconnect,
+    WebSocketDisconnected,
+    WebSocketState,
+)
+
+from service.api.frames import (
+    MSGPACK_SUBPROTOCOL,
+    Cancel,
+    ChatMessage,
+    ClientFrame,
+    Codec,
+    ErrorCode,
+    FinishReason,
+    FrameError,
+    Open,
+    Resume,
+    Sampling,
+    ServerFrame,
+    SessionOpened,
+    User,
+)
+from service.api.turn import ClientGone, Turn
+from service.engine.params import SamplingParams
+from service.sessions.store import SessionNotFound, WrongSecret
+
+if TYPE_CHECKING:
+    from service.api.service import ChatService
+
+log = logging.getLogger(__name__)
+
+CLOSE_SERVICE_RESTART = 1012  # RFC 6455 registry: the server is restarting
+CLOSE_TRY_AGAIN_LATER = 1013
+
+
+class State(enum.Enum):
+    CONNECTING = "connecting"  # handshake not answered yet
+    ACCEPTED = "accepted"  # no session yet
+    READY = "ready"  # a session is open; no answer in flight
+    STREAMING = "streaming"  # an answer is in flight
+    CLOSED = "closed"
+
+
+_NEXT: dict[State, frozenset[State]] = {
+    State.CONNECTING: frozenset({State.ACCEPTED, State.CLOSED}),
+    State.ACCEPTED: frozenset({State.READY, State.CLOSED}),
+    State.READY: frozenset({State.STREAMING, State.CLOSED}),
+    State.STREAMING: frozenset({State.READY, State.CLOSED}),
+    State.CLOSED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class ChatConnection:
+    def __init__(self, websocket: WebSocket, service: ChatService) -> None:
+        self.websocket = websocket
+        self.service = service
+        self.state = State.CONNECTING
+        self.session_id: str | None = None
+        binary = MSGPACK_SUBPROTOCOL in websocket.scope.get("subprotocols", [])
+        self._codec = Codec(binary=binary)
+        self._turn: Turn | None = None
+        self._turn_task: asyncio.Task[None] | None = None
+
+    def _move(self, to: State) -> None:
+        if to not in _NEXT[self.state]:
+            raise InvalidTransition(f"{self.state.value} -> {to.value}")
+        self.state = to
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(self) -> None:
+        await self.websocket.accept(MSGPACK_SUBPROTOCOL if self._codec.binary else None)
+        self._move(State.ACCEPTED)
+        refusal = self.service.admit(self)
+        try:
+            if refusal is not None:
+                await self._send_error(refusal)
+                shutting_down = refusal.code is ErrorCode.SHUTTING_DOWN
+                await self._close(CLOSE_SERVICE_RESTART if shutting_down else CLOSE_TRY_AGAIN_LATER)
+                return
+            await self._read_frames()
+        except ClientGone:
+            pass
+        finally:
+            await self._end(FinishReason.DISCONNECTED)
+
+    async def shutdown(self) -> None:
+        """Server shutdown: end the answer (stored, reported), say why, close."""
+        await self._end(FinishReason.SHUTDOWN)
+        if self.websocket.application_state is WebSocketState.CONNECTED:
+            try:
+                await self._send_error(
+                    FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+                )
+                await self._close(CLOSE_SERVICE_RESTART)
+            except ClientGone:
+                pass
+
+    async def _end(self, reason: FinishReason) -> None:
+        """Cancel the answer and wait until it is stored; idempotent."""
+        if self._turn is not None:
+            self._turn.cancel(reason)
+        if self._turn_task is not None:
+            await asyncio.wait([self._turn_task])
+        if self.state is not State.CLOSED:
+            self._move(State.CLOSED)
+        self.service.release(self)
+
+    async def _read_frames(self) -> None:
+        limits = self.service.config.limits
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            try:
+                frame = self._codec.decode(
+                    message.get("text"), message.get("bytes"), limits.max_frame_bytes
+                )
+                await self._dispatch(frame, time.monotonic())
+            except FrameError as exc:  # a refused frame never ends the connection
+                await self._send_error(exc)
+
+    # ------------------------------------------------------------------ frames
+
+    async def _dispatch(self, frame: ClientFrame, received: float) -> None:
+        if self.state is State.CLOSED:
+            raise FrameError(ErrorCode.SHUTTING_DOWN, "this connection is closing")
+        if isinstance(frame, User):
+            self._start_turn(frame, received)
+        elif isinstance(frame, Cancel):
+            if self._turn is not None:  # a cancel racing the end of an answer is harmless
+                self._turn.cancel(FinishReason.CANCELLED)
+        elif self.state is not State.ACCEPTED:
+            raise FrameError(ErrorCode.SESSION_ALREADY_OPEN, "this connection has a session")
+        elif isinstance(frame, Open):
+            await self._open(frame)
+        elif isinstance(frame, Resume):
+            await self._resume(frame)
+
+    async def _open(self, frame: Open) -> None:
+        service = self.service
+        limit = service.config.limits.max_system_chars
+        if frame.system is not None and len(frame.system) > limit:
+            raise FrameError(
+                ErrorCode.MESSAGE_TOO_LONG, f"the system prompt is over {limit} characters"
+            )
+        try:
+            new = await service.store.create(model_id=service.model_id, system=frame.system)
+        except redis.exceptions.RedisError as exc:
+            raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
+        self.session_id = new.meta.session_id
+        self._move(State.READY)
+        service.metrics.sessions_opened.labels("created").inc()
+        await self.send(
+            SessionOpened(
+                session_id=new.meta.session_id,
+                secret=new.secret,
+                resumed=False,
+                system=frame.system,
+                messages=[],
+                history_tokens=0,
+            )
+        )
+
+    async def _resume(self, frame: Resume) -> None:
+        store = self.service.store
+        try:
+            meta = await store.authenticate(frame.session_id, frame.secret)
+            _, page_map = await store.load(frame.session_id)
+            messages = await store.messages(frame.session_id)
+        except SessionNotFound:
+            raise FrameError(ErrorCode.UNKNOWN_SESSION, "unknown or expired session") from None
+        except WrongSecret:
+            raise FrameError(ErrorCode.WRONG_SECRET, "wrong secret for this session") from None
+        except redis.exceptions.RedisError as exc:
+            raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
+        self.session_id = meta.session_id
+        self._move(State.READY)
+        self.service.metrics.sessions_opened.labels("resumed").inc()
+        await self.send(
+            SessionOpened(
+                session_id=meta.session_id,
+                resumed=True,
+                system=meta.system,
+                messages=[
+                    ChatMessage(role=m.role.value, content=m.content, finish_reason=m.finish_reason)
+                    for m in messages
+                ],
+                history_tokens=len(page_map.token_ids) if page_map else 0,
+            )
+        )
+
+    def _start_turn(self, frame: User, received: float) -> None:
+        if self.state is State.ACCEPTED:
+            raise FrameError(ErrorCode.NO_SESSION, "send open or resume first")
+        if self.state is State.STREAMING:
+            raise FrameError(ErrorCode.BUSY, "an answer is streaming; wait for done or cancel")
+        limits = self.service.config.limits
+        if len(frame.content) > limits.max_message_chars:
+            raise FrameError(
+                ErrorCode.MESSAGE_TOO_LONG,
+                f"the message has {len(frame.content)} characters; the limit is "
+                f"{limits.max_message_chars}",
+            )
+        params = self._params(frame.params)
+        assert self.session_id is not None
+        refusal = self.service.begin_turn(self.session_id)
+        if refusal is not None:
+            raise refusal
+        self._move(State.STREAMING)
+        turn = Turn(
+            self.service, self.session_id, frame.content, params, received=received, send=self.send
+        )
+        self._turn = turn
+        self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
+
+    def _params(self, sampling: Sampling) -> SamplingParams:
+        limits = self.service.config.limits
+        max_tokens = sampling.max_tokens or limits.default_max_tokens
+        if max_tokens > limits.max_tokens:
+            raise FrameError(
+                ErrorCode.MAX_TOKENS_TOO_LARGE,
+                f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=sampling.seed,
+                stop=tuple(sampling.stop),
+                ignore_eos=sampling.ignore_eos,
+                logprobs=sampling.logprobs,
+            )
+        except ValueError as exc:
+            raise FrameError(ErrorCode.INVALID_PARAMS, str(exc)) from None
+
+    async def _answer(self, turn: Turn) -> None:
+        try:
+            await turn.run()
+        except FrameError as exc:
+            await self._send_error_quietly(exc)
+        except ClientGone:
+            pass
+        except Exception:
+            log.exception("turn of session %s failed", turn.session_id)
+            await self._send_error_quietly(FrameError(ErrorCode.INTERNAL, "internal error"))
+        finally:
+            self.service.end_turn(turn.session_id)
+            self._turn = None
+            if self.state is State.STREAMING:
+                self._move(State.READY)
+
+    # ------------------------------------------------------------------ sending
+
+    async def send(self, frame: ServerFrame) -> None:
+        """Send one frame; a closed socket raises ClientGone."""
+        try:
+            await self.websocket.send(self._codec.encode(frame))
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError) as exc:
+            raise ClientGone() from exc
+
+    async def _send_error(self, exc: FrameError) -> None:
+        self.service.metrics.errors.labels(exc.code.value).inc()
+        await self.send(exc.frame())
+
+    async def _send_error_quietly(self, exc: FrameError) -> None:
+        with contextlib.suppress(ClientGone):
+            await self._send_error(exc)
+
+    async def _close(self, code: int) -> None:
+        try:
+            await self.websocket.close(code)
+        except (WebSocketDisconnect, WebSocketDisconnected, OSError) as exc:
+            raise ClientGone() from exc

@@ -1,0 +1,193 @@
+"""The /v1/chat WebSocket protocol's frames (docs/protocol.md), typed and validated by msgspec.
+
+Every frame is an object tagged by its "type". JSON text frames by default; a client that
+offers the `pagechat.msgpack` subprotocol gets the same objects as msgpack binary frames.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+MSGPACK_SUBPROTOCOL = "pagechat.msgpack"
+
+
+class ErrorCode(enum.StrEnum):
+    BAD_FRAME = "bad_frame"  # not JSON/msgpack, wrong frame kind, or not a valid frame
+    FRAME_TOO_LARGE = "frame_too_large"
+    MESSAGE_TOO_LONG = "message_too_long"
+    INVALID_PARAMS = "invalid_params"
+    MAX_TOKENS_TOO_LARGE = "max_tokens_too_large"
+    CONTEXT_LENGTH = "context_length"  # the prompt does not fit the model's context
+    NO_SESSION = "no_session"  # a user frame before open/resume
+    SESSION_ALREADY_OPEN = "session_already_open"
+    UNKNOWN_SESSION = "unknown_session"  # never existed, or expired
+    WRONG_SECRET = "wrong_secret"
+    BUSY = "busy"  # the session is already answering
+    OVERLOADED = "overloaded"  # too many answers queued; retry later
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    SHUTTING_DOWN = "shutting_down"
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # Redis failed; nothing was saved
+    INTERNAL = "internal"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # end of turn, a stop string or a stop token
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELLED = "cancelled"  # the client sent cancel
+    SHUTDOWN = "shutdown"  # the server stopped before the answer finished
+    DISCONNECTED = "disconnected"  # the client went away (stored, never sent)
+
+
+# ---------------------------------------------------------------------- client -> server
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 0.7  # 0 is greedy
+    top_p: float = 0.95
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past the end of the turn (benchmarks)
+    logprobs: int | None = None  # top log-probabilities per token, 0..20
+
+
+class _ClientFrame(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Open(_ClientFrame, tag="open"):
+    system: str | None = None  # None: the model's default system prompt
+
+
+class Resume(_ClientFrame, tag="resume"):
+    session_id: str
+    secret: str
+
+
+class User(_ClientFrame, tag="user"):
+    content: str
+    params: Sampling = msgspec.field(default_factory=Sampling)
+
+
+class Cancel(_ClientFrame, tag="cancel"):
+    pass
+
+
+ClientFrame = Open | Resume | User | Cancel
+
+# ---------------------------------------------------------------------- server -> client
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str
+    finish_reason: str | None = None
+
+
+class _ServerFrame(msgspec.Struct, tag_field="type", kw_only=True):
+    pass
+
+
+class SessionOpened(_ServerFrame, tag="session"):
+    session_id: str
+    resumed: bool
+    system: str | None
+    messages: list[ChatMessage]  # the conversation so far (resume)
+    history_tokens: int  # token ids stored for it (the next prompt's prefix)
+    secret: str | None = None  # only when the session is created: keep it to resume
+
+
+class Delta(_ServerFrame, tag="delta", omit_defaults=True):
+    text: str
+    token_ids: list[int]
+    # Per token: [chosen, top 1, top 2, ...] as [token id, log-probability] pairs.
+    logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int  # found on the device (prefix cache)
+    swapped_in_tokens: int  # brought back from the CPU pool
+    recomputed_tokens: int  # the rest of the prompt, computed for this turn
+    completion_tokens: int
+
+
+class Timing(msgspec.Struct, kw_only=True):
+    queue_s: float | None  # message received -> first scheduled by the engine
+    ttft_s: float | None  # message received -> first token
+    total_s: float  # message received -> answer finished and stored
+
+
+class Done(_ServerFrame, tag="done"):
+    turn: int
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+
+
+class Error(_ServerFrame, tag="error"):
+    code: ErrorCode
+    message: str
+    fatal: bool = False  # the server closes the connection after a fatal error
+
+
+ServerFrame = SessionOpened | Delta | Done | Error
+
+
+class FrameError(Exception):
+    """A frame the server refuses; becomes an error frame."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+    def frame(self) -> Error:
+        return Error(code=self.code, message=self.message, fatal=self.fatal)
+
+
+class Codec:
+    """Frames <-> WebSocket payloads for one connection's format (JSON text or msgpack)."""
+
+    def __init__(self, *, binary: bool) -> None:
+        self.binary = binary
+        self._msgpack = msgspec.msgpack.Decoder(ClientFrame)
+        self._json = msgspec.json.Decoder(ClientFrame)
+        self._encoder: msgspec.msgpack.Encoder | msgspec.json.Encoder = (
+            msgspec.msgpack.Encoder() if binary else msgspec.json.Encoder()
+        )
+
+    def decode(self, text: str | None, data: bytes | None, max_bytes: int) -> ClientFrame:
+        payload: str | bytes | None = data if self.binary else text
+        if payload is None:
+            want, got = ("binary", "text") if self.binary else ("text", "binary")
+            raise FrameError(ErrorCode.BAD_FRAME, f"expected a {want} frame, got a {got} frame")
+        size = _size(payload, max_bytes)
+        if size > max_bytes:
+            raise FrameError(
+                ErrorCode.FRAME_TOO_LARGE, f"the frame has {size} bytes; the limit is {max_bytes}"
+            )
+        try:
+            if isinstance(payload, bytes):
+                return self._msgpack.decode(payload)
+            return self._json.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise FrameError(ErrorCode.BAD_FRAME, f"invalid frame: {exc}") from None
+
+    def encode(self, frame: ServerFrame) -> dict[str, str | bytes]:
+        """The ASGI `websocket.send` message for `frame`."""
+        payload = self._encoder.encode(frame)
+        if self.binary:
+            return {"type": "websocket.send", "bytes": payload}
+        return {"type": "websocket.send", "text": payload.decode()}
+
+
+def _size(payload: str | bytes, max_bytes: int) -> int:
+    """The payload's size in bytes, exact whenever it could exceed `max_bytes`."""
+    if isinstance(payload, bytes) or len(payload) * 4 <= max_bytes:
+        return len(payload)  # a str this short is within the limit even at 4 bytes a char
+    return len(payload.encode())

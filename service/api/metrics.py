@@ -1,0 +1,150 @@
+"""Prometheus metrics, named as people already graph them (vLLM's names, pagechat_ prefix).
+
+Engine figures (pools, prefix cache, swaps, preemptions, queues) are read from the engine's
+latest stats snapshot at scrape time, so nothing is counted twice. Latencies and connections
+are observed by the API layer as they happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.engine.engine import EngineStats
+
+_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        b = s.blocks
+        yield _gauge(
+            "pagechat_kv_cache_usage_perc",
+            "Fraction of device KV blocks in use (1 = full).",
+            b.device.in_use / b.device.total,
+        )
+        yield _gauge(
+            "pagechat_cpu_kv_cache_usage_perc",
+            "Fraction of CPU swap-pool KV blocks in use.",
+            b.cpu.in_use / b.cpu.total if b.cpu.total else 0.0,
+        )
+        blocks = GaugeMetricFamily(
+            "pagechat_kv_cache_blocks", "KV blocks by tier and state.", labels=["tier", "state"]
+        )
+        for tier, usage in (("device", b.device), ("cpu", b.cpu)):
+            blocks.add_metric([tier, "free"], usage.free)
+            blocks.add_metric([tier, "cached"], usage.cached)
+            blocks.add_metric([tier, "in_use"], usage.in_use)
+        yield blocks
+        yield _counter(
+            "pagechat_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            b.prefix_queries,
+        )  # fmt: skip
+        yield _counter(
+            "pagechat_prefix_cache_hits", "Prompt tokens found on the device.", b.prefix_hits
+        )
+        yield _counter(
+            "pagechat_prefix_cache_cpu_hits",
+            "Prompt tokens found in the CPU pool and swapped back in.",
+            b.prefix_cpu_hits,
+        )
+        yield _counter(
+            "pagechat_kv_blocks_swapped_out", "KV blocks moved device -> CPU.", b.blocks_swapped_out
+        )
+        yield _counter(
+            "pagechat_kv_blocks_swapped_in", "KV blocks moved CPU -> device.", b.blocks_swapped_in
+        )
+        yield _counter(
+            "pagechat_kv_blocks_dropped", "Cached KV blocks dropped for lack of room.",
+            b.blocks_dropped,
+        )  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "pagechat_num_preemptions", "Sequences preempted, by mode.", labels=["mode"]
+        )
+        preemptions.add_metric(["swap"], s.preemptions_swap)
+        preemptions.add_metric(["recompute"], s.preemptions_recompute)
+        yield preemptions
+        yield _gauge("pagechat_num_requests_waiting", "Requests waiting.", s.num_waiting)
+        yield _gauge("pagechat_num_requests_running", "Requests running.", s.num_running)
+        yield _gauge("pagechat_num_requests_swapped", "Requests swapped out.", s.num_swapped)
+        yield _counter(
+            "pagechat_prompt_tokens_computed", "Prompt tokens computed (not cached).",
+            s.prompt_tokens_computed,
+        )  # fmt: skip
+        yield _counter("pagechat_generation_tokens", "Tokens generated.", s.tokens_generated)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """One registry per server (not the process-global one), so servers and tests coexist."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pagechat_time_to_first_token_seconds",
+            "User message received -> first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "pagechat_inter_token_latency_seconds",
+            "Time between consecutive tokens of an answer.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "pagechat_e2e_request_latency_seconds",
+            "User message received -> answer finished and stored.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pagechat_request_queue_time_seconds",
+            "User message received -> first scheduled by the engine.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "pagechat_event_loop_lag_seconds",
+            "How late the event loop woke a sleeping probe task.",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.open_connections = Gauge(
+            "pagechat_open_connections", "Open /v1/chat WebSockets.", registry=r
+        )
+        self.inflight_turns = Gauge(
+            "pagechat_inflight_turns", "Answers queued or streaming.", registry=r
+        )
+        self.turns = Counter(
+            "pagechat_turns", "Finished answers, by finish reason.", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "pagechat_errors", "Error frames sent, by code.", ["code"], registry=r
+        )
+        self.sessions_opened = Counter(
+            "pagechat_sessions_opened", "Sessions created or resumed.", ["how"], registry=r
+        )
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,65 @@
+"""`pagechat serve`: a uvicorn server that drains answers before it closes connections.
+
+Shutdown order (SIGINT/SIGTERM): stop accepting; refuse new answers; give answers in flight
+`--drain-timeout` seconds; cancel the rest (each is stored and reported with finish_reason
+"shutdown"), close every socket with 1012; stop the engine (pools checked balanced); close
+Redis (the embedded one saves to disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from service.api.app import create_app
+from service.api.config import ServerConfig
+from service.api.options import config_from_args
+from service.api.service import ChatService
+from service.engine.loader import LoadedModel
+
+
+class PagechatServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: ChatService) -> None:
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # stop accepting before the drain, not after it
+        await self.service.drain()
+        await super().shutdown(sockets)
+
+
+def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> PagechatServer:
+    service = ChatService(config, loaded)
+    uv_config = uvicorn.Config(
+        create_app(service),
+        host=config.host,
+        port=config.port,
+        ws="websockets-sansio",
+        ws_max_size=config.limits.ws_max_size,
+        lifespan="on",
+        access_log=config.access_log,
+        log_config=None,
+        timeout_graceful_shutdown=int(config.limits.drain_timeout_s) + 10,
+    )
+    return PagechatServer(uv_config, service)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    server = build_server(config_from_args(args))
+    # uvicorn re-raises the signal that stopped it after shutting down, which would end the
+    # process by that signal; absorb it so the exit status says whether shutdown was clean.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if not server.started:
+        return 1
+    return 0 if server.service.balanced_at_exit else 1

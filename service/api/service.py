@@ -1,0 +1,180 @@
+"""ChatService: what one server process holds, and who may take how much of it.
+
+Owners: the AsyncEngine owns the engine thread; the SessionStore owns Redis I/O; the
+ChatConnections own their sockets. This class wires them, admits connections and answers
+under the limits, and drains them on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from service.api.config import ServerConfig
+from service.api.frames import ErrorCode, FrameError
+from service.api.loop_lag import LoopLagMonitor
+from service.api.metrics import Metrics
+from service.engine.async_engine import AsyncEngine
+from service.engine.engine import LLMEngine
+from service.engine.loader import LoadedModel
+from service.sessions.prompt import ChatFormat
+from service.sessions.redis_server import EmbeddedRedis, connect
+from service.sessions.store import SessionStore
+
+if TYPE_CHECKING:
+    from service.api.connection import ChatConnection
+
+log = logging.getLogger(__name__)
+
+
+class ChatService:
+    def __init__(self, config: ServerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self._loaded = loaded  # a model already in memory (tests share one across servers)
+        self._engine: AsyncEngine | None = None
+        self._store: SessionStore | None = None
+        self._chat_format: ChatFormat | None = None
+        self._embedded: EmbeddedRedis | None = None
+        self.metrics = Metrics(lambda: self.engine.stats())
+        self.lag = LoopLagMonitor(
+            config.lag_interval_s, observe=self.metrics.event_loop_lag.observe
+        )
+        self.connections: set[ChatConnection] = set()
+        self.busy_sessions: set[str] = set()  # sessions with an answer in flight
+        self.draining = False
+        self.balanced_at_exit: bool | None = None  # set by stop(): KV pools balanced?
+        self._idle = asyncio.Event()  # no answer in flight
+        self._idle.set()
+
+    # ------------------------------------------------------------------ parts
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("the service is not started")
+        return self._engine
+
+    @property
+    def store(self) -> SessionStore:
+        if self._store is None:
+            raise RuntimeError("the service is not started")
+        return self._store
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        if self._chat_format is None:
+            raise RuntimeError("the service is not started")
+        return self._chat_format
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.engine.model_id
+
+    @property
+    def namespace(self) -> str:
+        return self.engine.engine.block_manager.namespace
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.engine.config.block_size
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        config = self.config
+        if config.redis_url is None:
+            self._embedded = EmbeddedRedis(config.data_dir)
+            await asyncio.to_thread(self._embedded.start)
+            redis = self._embedded.client()
+        else:
+            redis = connect(config.redis_url)
+        self._store = SessionStore(
+            redis,
+            prefix=config.redis_prefix,
+            ttl_s=config.limits.session_ttl_s,
+            replica=config.replica_id,
+        )
+        await self._store.ping()
+        engine = await asyncio.to_thread(LLMEngine, config.engine, self._loaded)
+        self._chat_format = ChatFormat(engine.tokenizer)
+        self._engine = AsyncEngine(engine)
+        await self._engine.start()
+        self.lag.start()
+        log.info(
+            "pagechat: model %s, %d device + %d CPU KV blocks of %d tokens, Redis %s",
+            engine.model_id,
+            engine.block_manager.stats().device.total,
+            engine.block_manager.stats().cpu.total,
+            self.block_size,
+            config.redis_url or f"embedded under {config.data_dir}",
+        )
+
+    async def drain(self) -> None:
+        """Refuse new work, give answers `drain_timeout_s` to finish, then end every
+        connection: its answer is cancelled, stored and reported, and the socket closed."""
+        self.draining = True
+        timeout = self.config.limits.drain_timeout_s
+        if not self._idle.is_set():
+            log.info("waiting up to %.1fs for %d answers", timeout, len(self.busy_sessions))
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                log.info("cancelling %d answers", len(self.busy_sessions))
+        await asyncio.gather(*(c.shutdown() for c in list(self.connections)))
+
+    async def stop(self) -> None:
+        await self.lag.stop()
+        if self._engine is not None:
+            await self._engine.stop()
+            try:
+                self._engine.engine.check_balanced()
+                self.balanced_at_exit = True
+            except AssertionError as exc:
+                log.error("KV pools unbalanced at shutdown: %s", exc)
+                self.balanced_at_exit = False
+        if self._store is not None:
+            await self._store.close()
+        if self._embedded is not None:
+            await asyncio.to_thread(self._embedded.stop)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, connection: ChatConnection) -> FrameError | None:
+        if self.draining:
+            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+        limit = self.config.limits.max_connections
+        if len(self.connections) >= limit:
+            return FrameError(
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"the server has {limit} open connections; retry later",
+                fatal=True,
+            )
+        self.connections.add(connection)
+        self.metrics.open_connections.set(len(self.connections))
+        return None
+
+    def release(self, connection: ChatConnection) -> None:
+        self.connections.discard(connection)
+        self.metrics.open_connections.set(len(self.connections))
+
+    def begin_turn(self, session_id: str) -> FrameError | None:
+        if self.draining:
+            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if session_id in self.busy_sessions:
+            return FrameError(ErrorCode.BUSY, "this session is answering on another connection")
+        limit = self.config.limits.max_inflight_turns
+        if len(self.busy_sessions) >= limit:
+            return FrameError(
+                ErrorCode.OVERLOADED, f"the server is answering {limit} messages; retry later"
+            )
+        self.busy_sessions.add(session_id)
+        self._idle.clear()
+        self.metrics.inflight_turns.set(len(self.busy_sessions))
+        return None
+
+    def end_turn(self, session_id: str) -> None:
+        self.busy_sessions.discard(session_id)
+        self.metrics.inflight_turns.set(len(self.busy_sessions))
+        if not self.busy_sessions:
+            self._idle.set()

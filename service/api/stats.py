@@ -1,0 +1,116 @@
+"""The /v1/stats document: one JSON snapshot of pools, caches, queues, sessions and the loop."""
+
+from __future__ import annotations
+
+import msgspec
+
+from service.api.loop_lag import LagSummary
+from service.api.service import ChatService
+from service.engine.blocks import PoolUsage
+
+
+class Pool(msgspec.Struct, kw_only=True):
+    total: int
+    free: int
+    cached: int
+    in_use: int
+
+
+class KVStats(msgspec.Struct, kw_only=True):
+    block_size: int
+    device: Pool
+    cpu: Pool
+
+
+class PrefixCacheStats(msgspec.Struct, kw_only=True):
+    queries: int  # prompt tokens looked up
+    hits: int  # found on the device
+    cpu_hits: int  # found in the CPU pool, swapped back in
+    hit_rate: float  # (hits + cpu_hits) / queries
+
+
+class SwapStats(msgspec.Struct, kw_only=True):
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    blocks_dropped: int
+    preemptions_swap: int
+    preemptions_recompute: int
+
+
+class QueueStats(msgspec.Struct, kw_only=True):
+    waiting: int
+    running: int
+    swapped: int
+    inflight_turns: int  # answers this server has accepted and not finished
+
+
+class SessionStats(msgspec.Struct, kw_only=True):
+    open_connections: int
+    attached: int  # connections with a session open
+    answering: int  # sessions with an answer in flight
+    draining: bool
+
+
+class EngineCounters(msgspec.Struct, kw_only=True):
+    steps: int
+    prompt_tokens_computed: int
+    tokens_generated: int
+    step_overhead_share: float  # share of step time outside the model forward
+
+
+class Stats(msgspec.Struct, kw_only=True):
+    model_id: str
+    kv: KVStats
+    prefix_cache: PrefixCacheStats
+    swaps: SwapStats
+    queue: QueueStats
+    sessions: SessionStats
+    engine: EngineCounters
+    event_loop_lag: LagSummary
+
+
+def _pool(usage: PoolUsage) -> Pool:
+    return Pool(total=usage.total, free=usage.free, cached=usage.cached, in_use=usage.in_use)
+
+
+def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
+    s = service.engine.stats()
+    b = s.blocks
+    return Stats(
+        model_id=service.model_id,
+        kv=KVStats(block_size=service.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
+        prefix_cache=PrefixCacheStats(
+            queries=b.prefix_queries,
+            hits=b.prefix_hits,
+            cpu_hits=b.prefix_cpu_hits,
+            hit_rate=(b.prefix_hits + b.prefix_cpu_hits) / b.prefix_queries
+            if b.prefix_queries
+            else 0.0,
+        ),
+        swaps=SwapStats(
+            blocks_swapped_out=b.blocks_swapped_out,
+            blocks_swapped_in=b.blocks_swapped_in,
+            blocks_dropped=b.blocks_dropped,
+            preemptions_swap=s.preemptions_swap,
+            preemptions_recompute=s.preemptions_recompute,
+        ),
+        queue=QueueStats(
+            waiting=s.num_waiting,
+            running=s.num_running,
+            swapped=s.num_swapped,
+            inflight_turns=len(service.busy_sessions),
+        ),
+        sessions=SessionStats(
+            open_connections=len(service.connections),
+            attached=sum(c.session_id is not None for c in service.connections),
+            answering=len(service.busy_sessions),
+            draining=service.draining,
+        ),
+        engine=EngineCounters(
+            steps=s.steps,
+            prompt_tokens_computed=s.prompt_tokens_computed,
+            tokens_generated=s.tokens_generated,
+            step_overhead_share=s.timing.overhead_share,
+        ),
+        event_loop_lag=service.lag.summary(lag_window_s),
+    )

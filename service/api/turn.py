@@ -1,0 +1,229 @@
+"""One answer: prompt from the stored token ids, stream from the engine, store what was said.
+
+NOTE (what is stored): the turn's token ids exactly as the model saw them: the prompt, every
+token delivered to the client, then the template's end-of-turn tokens. A cancelled,
+interrupted or disconnected answer is stored as far as it got, so history is never lost and
+the next turn still starts from a prefix the cache may hold.
+NOTE (cancellation): the turn itself is never cancelled; `cancel` cancels its pump task, whose
+`aclosing` aborts the engine request before the engine's next step. The turn then stores the
+partial answer and reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import redis.exceptions
+
+from service.api.frames import (
+    Delta,
+    Done,
+    ErrorCode,
+    FinishReason,
+    FrameError,
+    ServerFrame,
+    Timing,
+    Usage,
+)
+from service.engine.async_engine import EngineDeadError
+from service.engine.blocks import hash_blocks
+from service.engine.engine import RequestError, RequestOutput
+from service.engine.params import SamplingParams
+from service.engine.sequence import FinishReason as EngineFinishReason
+from service.sessions.models import Message, PageMap, Role, SessionMeta
+from service.sessions.store import SessionNotFound
+
+if TYPE_CHECKING:
+    from service.api.service import ChatService
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[ServerFrame], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client's socket is closed: nothing more can be sent to it."""
+
+
+class Turn:
+    def __init__(
+        self,
+        service: ChatService,
+        session_id: str,
+        content: str,
+        params: SamplingParams,
+        *,
+        received: float,
+        send: Send,
+    ) -> None:
+        self.service = service
+        self.session_id = session_id
+        self.content = content
+        self.params = params
+        self.received = received  # time.monotonic() when the user frame arrived
+        self._send = send
+        self._pump: asyncio.Task[None] | None = None
+        self._cancel_reason: FinishReason | None = None
+        # Filled by the pump as outputs arrive.
+        self.answer: list[int] = []
+        self.text = ""
+        self._last: RequestOutput | None = None
+        self._first_token_at: float | None = None
+        self._last_token_at: float | None = None
+
+    def cancel(self, reason: FinishReason) -> None:
+        """Stop the answer (the first reason given wins); safe to call at any point."""
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
+        if self._pump is not None:
+            self._pump.cancel()
+
+    async def run(self) -> None:
+        """Answer, store and report; FrameError when the turn is refused before it starts."""
+        service = self.service
+        try:
+            meta, page_map = await service.store.load(self.session_id)
+            prompt = await self._prompt(meta, page_map)
+        except SessionNotFound:
+            raise FrameError(ErrorCode.UNKNOWN_SESSION, "the session expired") from None
+        except redis.exceptions.RedisError as exc:
+            raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
+        max_len = service.engine.engine.max_model_len
+        if len(prompt) >= max_len:
+            raise FrameError(
+                ErrorCode.CONTEXT_LENGTH,
+                f"the prompt has {len(prompt)} tokens (the conversation so far plus this "
+                f"message); the model's context holds {max_len} including the answer",
+            )
+        if self._cancel_reason is not None:
+            # Cancelled before it began: nothing was generated, so nothing is stored.
+            reason = self._cancel_reason
+        else:
+            stream = service.engine.generate(
+                prompt, self.params, request_id=f"{self.session_id}/{meta.turns}"
+            )
+            self._pump = asyncio.create_task(self._stream(stream), name=f"pump {self.session_id}")
+            await asyncio.wait([self._pump])
+            reason = self._outcome(self._pump)
+            ids = prompt + self.answer + service.chat_format.close_turn(self.answer)
+            try:
+                await self._store(ids, reason)
+            except redis.exceptions.RedisError as exc:
+                log.error("could not store turn %s of %s: %s", meta.turns, self.session_id, exc)
+                raise FrameError(
+                    ErrorCode.STORAGE_UNAVAILABLE, f"the answer could not be stored: {exc}"
+                ) from None
+        service.metrics.turns.labels(reason.value).inc()
+        total = time.monotonic() - self.received
+        service.metrics.e2e_latency.observe(total)
+        if reason is not FinishReason.DISCONNECTED:
+            await self._send(
+                Done(
+                    turn=meta.turns,
+                    finish_reason=reason,
+                    usage=self._usage(len(prompt)),
+                    timing=self._timing(total),
+                )
+            )
+
+    async def _prompt(self, meta: SessionMeta, page_map: PageMap | None) -> list[int]:
+        fmt = self.service.chat_format
+        if page_map is not None and page_map.model_id == self.service.model_id:
+            return fmt.next_prompt(page_map.token_ids, self.content)
+        if meta.turns == 0:
+            return fmt.first_prompt(meta.system, self.content)
+        # Stored for another model: its token ids mean nothing here; the text still does.
+        messages = await self.service.store.messages(self.session_id)
+        return fmt.render(meta.system, messages, self.content)
+
+    async def _stream(self, stream: AsyncIterator[RequestOutput]) -> None:
+        metrics = self.service.metrics
+        want_logprobs = self.params.logprobs is not None
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for out in stream:
+                now = time.monotonic()
+                if self._last_token_at is None:
+                    self._first_token_at = now
+                    metrics.time_to_first_token.observe(now - self.received)
+                    if out.first_scheduled_time is not None:
+                        metrics.queue_time.observe(out.first_scheduled_time - self.received)
+                else:
+                    metrics.inter_token_latency.observe(now - self._last_token_at)
+                self._last_token_at = now
+                self._last = out
+                self.answer += out.new_token_ids
+                self.text += out.new_text
+                await self._send(
+                    Delta(
+                        text=out.new_text,
+                        token_ids=out.new_token_ids,
+                        logprobs=out.logprobs if want_logprobs else None,
+                    )
+                )
+
+    def _outcome(self, pump: asyncio.Task[None]) -> FinishReason:
+        if pump.cancelled():
+            return self._cancel_reason or FinishReason.CANCELLED
+        exc = pump.exception()
+        if isinstance(exc, ClientGone):
+            return FinishReason.DISCONNECTED
+        if isinstance(exc, RequestError):
+            raise FrameError(ErrorCode.CONTEXT_LENGTH, str(exc)) from exc
+        if isinstance(exc, EngineDeadError):
+            raise FrameError(ErrorCode.INTERNAL, str(exc)) from exc
+        if exc is not None:
+            raise exc
+        last = self._last
+        if last is not None and last.finish_reason is EngineFinishReason.LENGTH:
+            return FinishReason.LENGTH
+        return FinishReason.STOP
+
+    async def _store(self, ids: list[int], reason: FinishReason) -> None:
+        service = self.service
+        now = time.time()
+        block_size = service.block_size
+        hashes = hash_blocks(ids, block_size, service.namespace)
+        tiers = service.engine.block_tiers(hashes)
+        page_map = PageMap(
+            token_ids=ids,
+            block_size=block_size,
+            block_hashes=hashes,
+            tiers=[t.value if t is not None else "none" for t in tiers],
+            namespace=service.namespace,
+            model_id=service.model_id,
+            replica=service.config.replica_id,
+            updated=now,
+        )
+        messages = [
+            Message(role=Role.USER, content=self.content, created=now),
+            Message(role=Role.ASSISTANT, content=self.text, created=now, finish_reason=reason),
+        ]
+        await service.store.append_turn(self.session_id, messages, page_map)
+
+    def _usage(self, prompt_tokens: int) -> Usage:
+        last = self._last
+        cached = last.num_cached_tokens if last else 0
+        swapped = last.num_swapped_in_tokens if last else 0
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            swapped_in_tokens=swapped,
+            # Unknown (0) when the answer ended before the engine reported anything.
+            recomputed_tokens=prompt_tokens - cached - swapped if last else 0,
+            completion_tokens=len(self.answer),
+        )
+
+    def _timing(self, total: float) -> Timing:
+        last = self._last
+        scheduled = last.first_scheduled_time if last else None
+        first = self._first_token_at
+        return Timing(
+            queue_s=None if scheduled is None else max(0.0, scheduled - self.received),
+            ttft_s=None if first is None else first - self.received,
+            total_s=total,
+        )

