@@ -15,9 +15,10 @@ from service.api.config import ServerConfig
 from service.api.frames import ErrorCode, FrameError
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
-from service.engine.async_engine import AsyncEngine
-from service.engine.engine import LLMEngine
+from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.engine import LLMEngine, RequestError
 from service.engine.loader import LoadedModel
+from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 from service.sessions.redis_server import EmbeddedRedis, connect
 from service.sessions.store import SessionStore
@@ -46,6 +47,8 @@ class ChatService:
         self.balanced_at_exit: bool | None = None  # set by stop(): KV pools balanced?
         self._idle = asyncio.Event()  # no answer in flight
         self._idle.set()
+        # Per session: the request computing the K/V of its stored conversation's tail.
+        self._completions: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ parts
 
@@ -125,6 +128,9 @@ class ChatService:
 
     async def stop(self) -> None:
         await self.lag.stop()
+        for task in self._completions.values():
+            task.cancel()
+        await asyncio.gather(*self._completions.values(), return_exceptions=True)
         if self._engine is not None:
             await self._engine.stop()
             try:
@@ -137,6 +143,39 @@ class ChatService:
             await self._store.close()
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.stop)
+
+    # ------------------------------------------------------------------ conversation cache
+
+    def complete_conversation(self, session_id: str, token_ids: list[int]) -> None:
+        """Cache the K/V of a stored conversation's tail, in the background.
+
+        An answer's last token and the end-of-turn tokens after it were never fed to the model,
+        so the block they fall in would miss the prefix cache on the next turn. A prefill-only
+        request (max_tokens 0) computes them now, while the user reads the answer; the next
+        turn then finds every full block of the conversation cached.
+        """
+        if self.draining or self._engine is None:
+            return
+        self._completions[session_id] = asyncio.create_task(
+            self._complete(session_id, token_ids), name=f"complete {session_id}"
+        )
+
+    async def wait_for_completion(self, session_id: str) -> None:
+        """Let the session's cache completion finish before its next turn looks up the cache."""
+        task = self._completions.get(session_id)
+        if task is not None:
+            await asyncio.wait([task])  # a cancelled turn must not cancel the completion
+
+    async def _complete(self, session_id: str, token_ids: list[int]) -> None:
+        try:
+            async for _ in self.engine.generate(token_ids, SamplingParams(max_tokens=0)):
+                pass
+        except (RequestError, EngineDeadError) as exc:
+            # Too long for the context, or shutting down: the next turn recomputes the tail.
+            log.debug("no cache completion for %s: %s", session_id, exc)
+        finally:
+            if self._completions.get(session_id) is asyncio.current_task():
+                del self._completions[session_id]
 
     # ------------------------------------------------------------------ admission
 

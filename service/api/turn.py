@@ -104,6 +104,7 @@ class Turn:
             # Cancelled before it began: nothing was generated, so nothing is stored.
             reason = self._cancel_reason
         else:
+            await service.wait_for_completion(self.session_id)
             stream = service.engine.generate(
                 prompt, self.params, request_id=f"{self.session_id}/{meta.turns}"
             )
@@ -118,6 +119,7 @@ class Turn:
                 raise FrameError(
                     ErrorCode.STORAGE_UNAVAILABLE, f"the answer could not be stored: {exc}"
                 ) from None
+            service.complete_conversation(self.session_id, ids)
         service.metrics.turns.labels(reason.value).inc()
         total = time.monotonic() - self.received
         service.metrics.e2e_latency.observe(total)

@@ -237,8 +237,14 @@ class BlockManager:
         available = self._device.available - evictable_hits - self.watermark_blocks
         return needed - len(device_hits) <= available
 
-    def allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> None:
-        """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens."""
+    def allocate(
+        self, seq: Sequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
+    ) -> None:
+        """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens.
+
+        `count_lookup=False` keeps the lookup out of the prefix-cache statistics (the engine's
+        own cache-completing requests are not user traffic).
+        """
         assert self.can_allocate(seq, hit, num_new_tokens)
         # Claim every hit before taking any slot: swapping one CPU hit in may evict a device
         # block to the CPU pool, whose LRU victim must not be a hit not yet claimed.
@@ -250,9 +256,10 @@ class BlockManager:
         seq.block_table.extend(hit.blocks)
         seq.num_computed_tokens = hit.num_tokens
         seq.num_committed_blocks = len(hit.blocks)
-        self._counters.prefix_queries += seq.num_tokens
-        self._counters.prefix_hits += hit.num_device_tokens
-        self._counters.prefix_cpu_hits += hit.num_cpu_tokens
+        if count_lookup:
+            self._counters.prefix_queries += seq.num_tokens
+            self._counters.prefix_hits += hit.num_device_tokens
+            self._counters.prefix_cpu_hits += hit.num_cpu_tokens
         self._grow(seq, hit.num_tokens + num_new_tokens)
 
     # ------------------------------------------------------------------ growth

@@ -229,20 +229,23 @@ class LLMEngine:
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.commit(seq)
 
+        outputs = []
         rows: list[SamplingRow] = []
         row_seqs: list[Sequence] = []
         logit_rows: list[int] = []
         for i, chunk in enumerate(sampling):
+            if chunk.seq.params.max_tokens == 0:
+                outputs.append(self._finish_prefill_only(chunk.seq))
+                continue
             for seq in self._samples_of(chunk.seq):
                 rows.append(SamplingRow(seq.params, seq.generator))
                 row_seqs.append(seq)
                 logit_rows.append(i)
-        if logit_rows != list(range(len(sampling))):
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        sampled = self.sampler(logits, rows)
+        if rows and logit_rows != list(range(len(sampling))):
+            logits = logits[torch.tensor(logit_rows, dtype=torch.int64, device=logits.device)]
+        sampled = self.sampler(logits, rows) if rows else []
         t4 = time.perf_counter()
 
-        outputs = []
         now = time.monotonic()
         for seq, token in zip(row_seqs, sampled, strict=True):
             seq.token_ids.append(token.token_id)
@@ -308,6 +311,27 @@ class LLMEngine:
             request.seqs.append(child)
             request.stop_checkers[i] = StopChecker(self.tokenizer, request.params)
         return [seq, *children]
+
+    def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
+        """The prompt's K/V are computed and its full blocks cached: nothing to generate."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.LENGTH
+        self.scheduler.remove(seq)
+        del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=0,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.LENGTH,
+            logprobs=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_swapped_in_tokens=seq.num_swapped_in_tokens,
+            num_output_tokens=0,
+            first_scheduled_time=seq.first_scheduled_time,
+        )
 
     def _process_token(
         self, seq: Sequence, token_id: int, logprobs: list[tuple[int, float]] | None

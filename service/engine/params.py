@@ -11,7 +11,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `n` samples share the prompt's KV blocks; sample i draws from seed + i when a seed is given.
     """
 
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0: prefill only: compute and cache the prompt, generate nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
@@ -23,8 +23,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None  # return this many top log-probabilities per token
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        if self.max_tokens == 0 and self.n != 1:
+            raise ValueError("a prefill-only request (max_tokens 0) takes n == 1")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError("temperature must be in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:

@@ -153,7 +153,7 @@ class Scheduler:
             if not bm.can_allocate(seq, hit, n):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, hit, n)
+            bm.allocate(seq, hit, n, count_lookup=seq.params.max_tokens > 0)
             if seq.num_preemptions == 0:  # usage reports the first admission's hits
                 seq.num_cached_tokens = hit.num_device_tokens
                 seq.num_swapped_in_tokens = hit.num_cpu_tokens

@@ -82,9 +82,9 @@ def redis_client() -> Iterator[redis.Redis]:
 
 
 def full_blocks(tokens: int) -> int:
-    """Tokens in the full blocks of a conversation of `tokens` tokens whose last token (the
-    final sampled one) was never fed back to the model, so has no KV yet."""
-    return (tokens - 1) // BLOCK * BLOCK
+    """Tokens in the full blocks of a stored conversation of `tokens` tokens (the server
+    computes the tail's K/V after each answer, so every full block can be cached)."""
+    return tokens // BLOCK * BLOCK
 
 
 def assert_same_greedy(reference: Answer, other: Answer) -> None:
@@ -126,16 +126,18 @@ async def test_second_turn_hits_the_whole_first_conversation(
     async with await ChatClient.connect(server.ws) as chat:
         opened = await chat.open()
         first = await chat.ask("What is the capital of France?", max_tokens=12, **GREEDY)
+        key = f"{prefix}session:{opened.session_id}"
+        stored = msgspec.msgpack.decode(redis_client.get(key + ":pagemap"), type=PageMap)
         second = await chat.ask("And of Germany?", max_tokens=12, **GREEDY)
     conversation = first.usage.prompt_tokens + first.usage.completion_tokens
     u = second.usage
-    assert u.cached_tokens >= full_blocks(conversation) > 0
+    # The whole first conversation as stored (prompt, answer, end of turn): its full blocks.
+    assert u.cached_tokens >= full_blocks(len(stored.token_ids)) > 0
     assert u.cached_tokens + u.swapped_in_tokens + u.recomputed_tokens == u.prompt_tokens
     assert u.prompt_tokens > conversation
     assert first.done is not None and second.done is not None
     assert (first.done.turn, second.done.turn) == (0, 1)
     # Redis holds the token ids exactly as the model saw them: prompt, answer, end of turn.
-    key = f"{prefix}session:{opened.session_id}"
     raw = redis_client.get(key + ":pagemap")
     assert isinstance(raw, bytes)
     page_map = msgspec.msgpack.decode(raw, type=PageMap)
@@ -169,7 +171,7 @@ async def test_reconnect_with_the_secret_continues_with_history_and_cached_prefi
     ]
     conversation = two.usage.prompt_tokens + two.usage.completion_tokens
     assert resumed.history_tokens in (conversation + 1, conversation + 2)
-    assert three.usage.cached_tokens >= full_blocks(conversation)
+    assert three.usage.cached_tokens >= full_blocks(resumed.history_tokens)
     assert three.usage.prompt_tokens > resumed.history_tokens
 
 

@@ -212,3 +212,16 @@ def test_stats_report_pools_queues_and_hits(make_engine: EngineFactory) -> None:
     assert stats.blocks.device.in_use == 0 and stats.blocks.device.cached >= 3
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
     assert stats.tokens_generated == 8
+
+
+def test_prefill_only_request_caches_the_whole_prompt(make_engine: EngineFactory) -> None:
+    engine = make_engine(block_size=16)
+    prompt = random_prompts(1, seed=15, lengths=(48, 48))["r0"]  # exactly 3 blocks
+    done = run(engine, {"warm": prompt}, SamplingParams(max_tokens=0))["warm"]
+    assert done.token_ids == [] and done.finish_reason == "length"
+    stats = engine.stats()
+    assert stats.blocks.device.cached == 3 and stats.tokens_generated == 0
+    assert stats.blocks.prefix_queries == 0, "cache completion is not counted as user traffic"
+    # A conversation that continues the prompt finds all three blocks, the last one included.
+    run(engine, {"next": [*prompt, 300, 301]}, greedy(2))
+    assert engine.stats().blocks.prefix_hits == 48
