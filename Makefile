@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run chat test lint typecheck unit bench-engine generate
+.PHONY: setup run chat test lint typecheck unit bench-engine generate loadtest bench
 
 setup:
 	@scripts/setup-env.sh
@@ -18,8 +18,8 @@ generate: setup
 	$(PY) -m service.cli generate "$(PROMPT)"
 
 lint: setup
-	$(PY) -m ruff check service kernels clients tests benchmarks
-	$(PY) -m ruff format --check service kernels clients tests benchmarks
+	$(PY) -m ruff check service kernels clients tests benchmarks loadtest deploy
+	$(PY) -m ruff format --check service kernels clients tests benchmarks loadtest deploy
 
 typecheck: setup
 	$(PY) -m mypy
@@ -32,3 +32,18 @@ test: lint typecheck unit
 
 bench-engine: setup
 	$(PY) -m benchmarks.engine_step
+
+# Locust, headless, against a server that is already running (make run): starts none itself.
+# make loadtest URL=ws://127.0.0.1:8080 USERS=64 SPAWN_RATE=8 RUN_TIME=3m [ARGS="--tags oneshot"]
+# CSV files and the HTML report go to results/loadtest-<time>/; the summary is printed.
+loadtest: setup
+	$(PY) -m loadtest.run --url $(or $(URL),ws://127.0.0.1:8000) --users $(or $(USERS),8) \
+		--spawn-rate $(or $(SPAWN_RATE),2) --run-time $(or $(RUN_TIME),60s) $(ARGS)
+
+# The KV allocators on a chat trace (no model, ~20 s), then engine throughput paged vs
+# contiguous on the real model (~12 min on 2 cores), then the plots in docs/img/ and the tables
+# between the bench markers in docs/perf.md. JSON results go to results/ (ignored by git).
+bench: setup
+	$(PY) -m benchmarks.kv_memory --json results/kv_memory.json
+	$(PY) -m benchmarks.throughput --json results/throughput.json
+	$(PY) -m benchmarks.report --results results --doc docs/perf.md

@@ -11,6 +11,7 @@ async with await ChatClient.connect("ws://127.0.0.1:8000/v1/chat") as chat:  # l
 from __future__ import annotations
 
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -90,8 +91,19 @@ class ChatClient:
 
     @classmethod
     async def connect(
-        cls, url: str, *, binary: bool = False, max_size: int | None = 4 << 20, **kwargs: Any
+        cls,
+        url: str,
+        *,
+        binary: bool = False,
+        max_size: int | None = 4 << 20,
+        session_id: str | None = None,
+        **kwargs: Any,
     ) -> ChatClient:
+        """Open a socket. Pass `session_id` when resuming: it goes into the URL
+        (`?session=ID`) so a proxy in front of several replicas routes the socket to the
+        replica holding the session's pages (docs/deploy.md)."""
+        if session_id is not None:
+            url += ("&" if "?" in url else "?") + urllib.parse.urlencode({"session": session_id})
         subprotocols = [Subprotocol(MSGPACK_SUBPROTOCOL)] if binary else None
         websocket = await connect(
             url, subprotocols=subprotocols, max_size=max_size, proxy=None, **kwargs

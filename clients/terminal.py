@@ -18,7 +18,7 @@ from service.api.frames import Delta, Done, Error
 
 
 async def chat(args: argparse.Namespace) -> int:
-    async with await ChatClient.connect(args.url) as client:
+    async with await ChatClient.connect(args.url, session_id=args.session) as client:
         if args.session:
             opened = await client.resume(args.session, args.secret)
             for m in opened.messages:

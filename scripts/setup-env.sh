@@ -4,6 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# nginx (Debian's package) fronts the replicas in tests/scaleout; installed once, if missing.
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "installing nginx (tests/scaleout)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
+            >/dev/null || echo "could not install nginx: the scale-out test will be skipped" >&2
+    else
+        echo "nginx is missing: the scale-out test will be skipped (apt-get install nginx)" >&2
+    fi
+fi
+
 py=${PYTHON:-python3}
 stamp=.venv/.pagechat-setup
 want=$(cat requirements.lock pyproject.toml scripts/setup-env.sh | sha256sum | cut -c1-16)
