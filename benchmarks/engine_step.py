@@ -29,7 +29,8 @@ from service.engine.params import SamplingParams
 
 def measure(engine: LLMEngine, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    # Long enough that no sequence finishes while the others are still prefilling.
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     for i in range(batch):
         prompt = [rng.randrange(17, 49152) for _ in range(prompt_len)]
         engine.add_request(f"b{batch}-{i}", prompt, params)
@@ -56,6 +57,7 @@ def measure(engine: LLMEngine, batch: int, steps: int, prompt_len: int, seed: in
     )
     return {
         "batch": batch,
+        "decoded_per_step": generated / steps,
         "tokens_per_s": generated / elapsed,
         "step_ms": 1000 * elapsed / steps,
         "overhead_share": spent.overhead_share,
@@ -74,11 +76,18 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--kv-cache-mb", type=int, default=2048, help="room for every sequence: no preemption"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args()
 
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch), max_model_len=1024
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(args.batch),
+        max_model_len=1024,
+        kv_cache_mb=args.kv_cache_mb,
     )
     loaded = load_model(config.model, dtype=config.torch_dtype(), device=config.torch_device())
     engine = LLMEngine(config, loaded=loaded)
@@ -91,13 +100,14 @@ def main() -> int:
         f"~{args.prompt_len}-token prompts"
     )
     print(
-        "| batch | tokens/s | step ms | forward ms | outside forward "
+        "| batch | decoded/step | tokens/s | step ms | forward ms | outside forward "
         "| sched | prep | sample | post |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['step_ms']:.1f} | "
+            f"| {r['batch']} | {r['decoded_per_step']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['step_ms']:.1f} | "
             f"{r['forward_ms']:.1f} | {100 * r['overhead_share']:.1f}% | {r['schedule_ms']:.2f} | "
             f"{r['prepare_ms']:.2f} | {r['sample_ms']:.2f} | {r['postprocess_ms']:.2f} |"
         )
