@@ -299,12 +299,15 @@ class LLMEngine:
         children = []
         for i in range(1, request.params.n):
             child = seq.fork(i, self._generator(request.params, i))
-            if self.block_manager.can_fork(seq):
+            batch_full = len(self.scheduler.running) >= self.config.max_num_seqs
+            if self.block_manager.can_fork(seq) and not batch_full:
                 self.block_manager.fork(seq, child)
                 self.scheduler.add_running(child)
                 children.append(child)
             else:
-                # Contiguous mode with no room for another reservation: compute it alone.
+                # The batch is full, or contiguous mode has no room for another reservation:
+                # the sample waits its turn and computes its prompt (a prefix-cache hit if
+                # the parent's blocks survive) like a request of its own.
                 child.num_computed_tokens = 0
                 child.num_committed_blocks = 0
                 self.scheduler.add(child)

@@ -225,3 +225,17 @@ def test_prefill_only_request_caches_the_whole_prompt(make_engine: EngineFactory
     # A conversation that continues the prompt finds all three blocks, the last one included.
     run(engine, {"next": [*prompt, 300, 301]}, greedy(2))
     assert engine.stats().blocks.prefix_hits == 48
+
+
+def test_parallel_samples_never_exceed_max_num_seqs(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=64)
+    prompt = random_prompts(1, seed=16, lengths=(20, 20))["r0"]
+    params = SamplingParams(temperature=0.0, n=4, max_tokens=3, ignore_eos=True)
+    engine.add_request("n4", prompt, params)
+    samples: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            samples.setdefault(out.index, []).extend(out.new_token_ids)
+        assert engine.stats().num_running <= 2
+    assert sorted(samples) == [0, 1, 2, 3]
+    assert len({tuple(s) for s in samples.values()}) == 1  # greedy: all alike
