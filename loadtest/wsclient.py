@@ -14,6 +14,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import msgspec
 import websocket
 
+from clients.chat_client import ChatServerError as ServerError
 from service.api.frames import (
     ClientFrame,
     Delta,
@@ -26,14 +27,6 @@ from service.api.frames import (
     SessionOpened,
     User,
 )
-
-
-class ServerError(Exception):
-    """The server answered with an error frame."""
-
-    def __init__(self, frame: Error) -> None:
-        super().__init__(f"{frame.code}: {frame.message}")
-        self.code = str(frame.code)
 
 
 @dataclass(slots=True)
