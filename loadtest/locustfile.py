@@ -185,6 +185,21 @@ class ChatUser(User):
         self._record("session", "resume", _ms_since(start))
         return sock
 
+    def _converse(self, system: str | None, turns: int) -> None:
+        """Open a session and ask `turns` questions with think time between them."""
+        sock = self._open(system)
+        if sock is None:
+            return
+        try:
+            for turn in range(turns):
+                if turn:
+                    self.wait()
+                max_tokens = int(_option(self.environment, "max_tokens"))
+                if self._ask(sock, random.choice(QUESTIONS), max_tokens) is None:
+                    return
+        finally:
+            sock.close()
+
     def _ask(self, sock: ChatSocket, content: str, max_tokens: int) -> TurnResult | None:
         """One turn; its entries are recorded. None when it failed."""
         params = Sampling(max_tokens=max_tokens, temperature=0.7)
@@ -226,18 +241,7 @@ class MultiTurnUser(ChatUser):
     @tag("multiturn")
     @task
     def conversation(self) -> None:
-        sock = self._open()
-        if sock is None:
-            return
-        try:
-            for turn in range(int(_option(self.environment, "turns"))):
-                if turn:
-                    self.wait()
-                max_tokens = int(_option(self.environment, "max_tokens"))
-                if self._ask(sock, random.choice(QUESTIONS), max_tokens) is None:
-                    return
-        finally:
-            sock.close()
+        self._converse(None, int(_option(self.environment, "turns")))
 
 
 class SharedPromptUser(ChatUser):
@@ -248,18 +252,7 @@ class SharedPromptUser(ChatUser):
     @tag("shared")
     @task
     def conversation(self) -> None:
-        sock = self._open(random.choice(SYSTEM_PROMPTS))
-        if sock is None:
-            return
-        try:
-            for turn in range(2):
-                if turn:
-                    self.wait()
-                max_tokens = int(_option(self.environment, "max_tokens"))
-                if self._ask(sock, random.choice(QUESTIONS), max_tokens) is None:
-                    return
-        finally:
-            sock.close()
+        self._converse(random.choice(SYSTEM_PROMPTS), turns=2)
 
 
 class ReturningUser(ChatUser):
