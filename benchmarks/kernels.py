@@ -12,9 +12,12 @@ On a CUDA device:
      L2 flushed between runs), which includes the host's launch cost where that dominates;
      the host cost of plan() and attend(); a mixed prefill+decode batch and a prefill batch
      against the torch reference backend; the cache ops.
+With --sweep it then times a grid of launch configurations (tile, warps, pipeline stages,
+splits, mask skipping) on the decode batch of the issue's target, 64 x 4096, each next to
+SDPA, so one run on a borrowed GPU says which to make the default.
 Without CUDA it says so and runs the correctness part at small sizes under the interpreter.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick]
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep]
 
 Imports only torch, triton and the standard library (the GPU image has nothing else).
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 if TYPE_CHECKING:
     from kernels.metadata import AttentionMetadata
+    from kernels.triton_attention import LaunchTuning
     from kernels.triton_backend import TritonBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -355,6 +359,85 @@ def bench_decode(report: Report, device: torch.device, copy_bw: float, sizes: Si
         report.table(header, rows)
 
 
+@dataclass(frozen=True)
+class SweepPoint:
+    batch: int
+    ctx: int
+    shape: Shape
+
+
+SWEEP_POINTS = (
+    SweepPoint(64, 4096, LARGE),
+    SweepPoint(16, 4096, LARGE),
+    SweepPoint(64, 4096, SMOL),
+)
+
+
+def sweep_grid(point: SweepPoint) -> list[LaunchTuning]:
+    """The configurations a sweep times: the full grid at the target point, the knobs that
+    matter most (splits, stages, masks) elsewhere."""
+    from kernels.triton_attention import LaunchTuning
+
+    if point == SWEEP_POINTS[0]:
+        axes = itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2), (True, False))
+    else:
+        axes = itertools.product((64,), (4,), (2, 3), (1, 2, 4, 8), (True, False))
+    return [
+        LaunchTuning(tile_n=t, num_warps=w, num_stages=st, num_splits=sp, skip_masks=sk)
+        for t, w, st, sp, sk in axes
+    ]
+
+
+def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None:
+    """Time every configuration of `sweep_grid` against SDPA on the same batch, fastest first."""
+    from kernels.triton_backend import TritonBackend
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    for point in SWEEP_POINTS:
+        p = _decode_batch(point.batch, point.ctx, point.shape, device, gen)
+        k, v = _contiguous_kv(p, point.batch, point.ctx)
+        expected = _sdpa_decode(p.query, k, v)
+        sdpa_ms = gpu_ms(functools.partial(_sdpa_decode, p.query, k, v), device)
+        default = TritonBackend().plan(p.meta)
+        picked, _ = default.launch_for(
+            point.shape.q_heads, point.shape.kv_heads, point.shape.head_dim, point.shape.dtype
+        )
+        timed: list[tuple[float, list[str]]] = []
+        for tuning in sweep_grid(point):
+            backend = TritonBackend(tuning=tuning)
+            plan = backend.plan(p.meta)
+            launch, _ = plan.launch_for(
+                point.shape.q_heads, point.shape.kv_heads, point.shape.head_dim, point.shape.dtype
+            )
+            knobs = [str(launch.tile_n), str(launch.num_warps), str(launch.num_stages),
+                     str(launch.num_splits), "yes" if launch.skip_masks else "no"]  # fmt: skip
+            try:
+                err = rel_err(attend(backend, p, plan), expected)
+                ms = gpu_ms(functools.partial(attend, backend, p, plan), device)
+            except Exception as exc:  # e.g. shared memory the card does not have
+                timed.append((math.inf, [*knobs, f"did not run: {type(exc).__name__}", "", "", ""]))
+                continue
+            check = report.check(f"sweep {point} {tuning}", err, 2e-2)
+            is_default = (launch.tile_n, launch.num_warps, launch.num_stages, launch.num_splits,
+                          launch.skip_masks) == (picked.tile_n, picked.num_warps,
+                          picked.num_stages, picked.num_splits, picked.skip_masks)  # fmt: skip
+            bw = p.kv_bytes / ms / 1e6
+            timed.append(
+                (ms, [*knobs, f"{1000 * ms:.1f}" + (" (default)" if is_default else ""),
+                      f"{100 * bw / copy_bw:.0f}%", f"{sdpa_ms / ms:.3f}", check])
+            )  # fmt: skip
+        timed.sort(key=lambda item: item[0])
+        report.say(
+            f"### Launch sweep: decode {point.batch} x {point.ctx}, {point.shape.name} "
+            f"{str(point.shape.dtype)[6:]}; SDPA {1000 * sdpa_ms:.1f} µs"
+        )
+        header = ["tile", "warps", "stages", "splits", "skip masks", "GPU µs", "of copy BW",
+                  "SDPA / triton", "rel err vs SDPA"]  # fmt: skip
+        report.table(header, [row for _, row in timed])
+        del p, k, v, expected
+        torch.cuda.empty_cache()
+
+
 def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:
     """Device milliseconds of one call of `fn`, cold L2, without host overhead.
 
@@ -528,19 +611,22 @@ def bench_cache_ops(report: Report, device: torch.device, sizes: Sizes) -> None:
     key = torch.randn(tokens, heads, dim, device=device).bfloat16()
     nbytes = 2 * 2 * tokens * heads * dim * 2  # K and V, read and written
     kc, vc = pool[layers - 1, 0], pool[layers - 1, 1]
-    t = bench(functools.partial(backend.write_kv, key, key, kc, vc, slots))
-    r = bench(functools.partial(reference.write_kv, key, key, kc, vc, slots))
-    rows.append(["write_kv", f"{tokens} tokens", f"{1000 * t:.1f}", f"{nbytes / t / 1e6:.0f}",
-                 f"{1000 * r:.1f}", f"{r / t:.1f}"])  # fmt: skip
+    run = functools.partial(backend.write_kv, key, key, kc, vc, slots)
+    run_ref = functools.partial(reference.write_kv, key, key, kc, vc, slots)
+    t, g, r = bench(run), gpu_ms(run, device), bench(run_ref)
+    rows.append(["write_kv", f"{tokens} tokens", f"{1000 * g:.1f}", f"{nbytes / g / 1e6:.0f}",
+                 f"{1000 * t:.1f}", f"{1000 * r:.1f}", f"{r / t:.1f}"])  # fmt: skip
 
     n = sizes.moved_blocks
     ids = torch.randperm(blocks, device=device)
     src, dst = ids[:n], ids[n : 2 * n]
     nbytes = 2 * n * block_bytes
-    t = bench(functools.partial(backend.copy_blocks, pool, src, dst))
-    r = bench(functools.partial(reference.copy_blocks, pool, src, dst))
-    rows.append(["copy_blocks", f"{n} blocks x {layers} layers", f"{1000 * t:.1f}",
-                 f"{nbytes / t / 1e6:.0f}", f"{1000 * r:.1f}", f"{r / t:.1f}"])  # fmt: skip
+    run = functools.partial(backend.copy_blocks, pool, src, dst)
+    run_ref = functools.partial(reference.copy_blocks, pool, src, dst)
+    t, g, r = bench(run), gpu_ms(run, device), bench(run_ref)
+    rows.append(["copy_blocks", f"{n} blocks x {layers} layers", f"{1000 * g:.1f}",
+                 f"{nbytes / g / 1e6:.0f}", f"{1000 * t:.1f}", f"{1000 * r:.1f}",
+                 f"{r / t:.1f}"])  # fmt: skip
 
     cpu_blocks = 4 * n
     cpu_pool = torch.zeros((layers, 2, cpu_blocks, bs, heads, dim), dtype=pool.dtype)
@@ -553,10 +639,18 @@ def bench_cache_ops(report: Report, device: torch.device, sizes: Sizes) -> None:
     }
     for name, swap_args in swaps.items():
         t = _wall_ms(functools.partial(backend.swap_blocks, *swap_args), reps=sizes.swap_reps)
-        rows.append([name, f"{n} blocks x {layers} layers", f"{1000 * t:.0f}",
-                     f"{n * block_bytes / t / 1e6:.1f}", "", ""])  # fmt: skip
+        rows.append([name, f"{n} blocks x {layers} layers", "", f"{n * block_bytes / t / 1e6:.1f}",
+                     f"{1000 * t:.0f}", "", ""])  # fmt: skip
     report.say("### Cache ops (block 16, 8 kv heads, d128, bf16)")
-    report.table(["op", "size", "triton µs", "GB/s", "torch ref µs", "ref / triton"], rows)
+    report.say(
+        "GPU µs: device time (CUDA graph replay after an L2 flush), GB/s from it (for swaps, "
+        "from the wall time). Per call µs: do_bench median, host launch cost included; the "
+        "torch reference is timed the same way, so ref / triton compares per-call times."
+    )
+    report.say()
+    header = ["op", "size", "triton GPU µs", "GB/s", "triton per call µs", "torch ref per call µs",
+              "ref / triton"]  # fmt: skip
+    report.table(header, rows)
 
 
 def _wall_ms(fn: Callable[[], object], reps: int) -> float:
@@ -587,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     parser.add_argument("--quick", action="store_true", help="fewer timing configs")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time a grid of launch configurations"
+    )
     args = parser.parse_args(argv)
     report = Report(args.out)
     started = time.perf_counter()
@@ -603,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
         section(report, host_costs, report, device, sizes)
         section(report, bench_batches, report, device, sizes)
         section(report, bench_cache_ops, report, device, sizes)
+        if args.sweep:
+            section(report, sweep_launches, report, device, copy_bw)
     else:
         # Must precede the first import of a kernel module: Triton reads it at decoration.
         os.environ["TRITON_INTERPRET"] = "1"

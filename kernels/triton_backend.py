@@ -22,6 +22,7 @@ from kernels import reference, triton_cache_ops
 from kernels.metadata import AttentionMetadata
 from kernels.triton_attention import (
     AttentionLaunch,
+    LaunchTuning,
     choose_launch,
     launch_paged_attention,
     split_scratch,
@@ -39,6 +40,7 @@ class TritonAttentionPlan:
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
     num_sms: int
     split_kv: int | None
+    tuning: LaunchTuning | None
     torch_plan: reference.TorchAttentionPlan | None  # set when falling back to the reference
     # (q heads, kv heads, head dim, dtype) -> launch and scratch; the layers of one model
     # share one entry, so it is built once per step.
@@ -63,6 +65,7 @@ class TritonAttentionPlan:
                 dtype=dtype,
                 num_sms=self.num_sms,
                 split_kv=self.split_kv,
+                tuning=self.tuning,
             )
             scratch = split_scratch(
                 meta.num_tokens, num_q_heads, head_dim, launch, self.block_tables.device
@@ -76,11 +79,13 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, split_kv: int | None = None) -> None:
-        """split_kv: force this many context splits (a power of two); None picks per step."""
+    def __init__(self, split_kv: int | None = None, tuning: LaunchTuning | None = None) -> None:
+        """split_kv: force this many context splits (a power of two); None picks per step.
+        tuning: override the launch picks (tile, warps, stages, masks), as sweeps do."""
         if split_kv is not None and (split_kv < 1 or split_kv & (split_kv - 1)):
             raise ValueError(f"split_kv must be a power of two, got {split_kv}")
         self.split_kv = split_kv
+        self.tuning = tuning
         self._num_sms: dict[torch.device, int] = {}
 
     def plan(self, meta: AttentionMetadata) -> TritonAttentionPlan:
@@ -103,6 +108,7 @@ class TritonBackend:
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
             num_sms=self._sm_count(device),
             split_kv=self.split_kv,
+            tuning=self.tuning,
             torch_plan=fallback,
         )
 
@@ -199,6 +205,11 @@ def _check_attention_inputs(
     check_cache(value_cache, "value_cache")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache {tuple(value_cache.shape)} != key_cache shape")
+    if value_cache.stride() != key_cache.stride():
+        # The kernel addresses both through one offset vector (as slices of one pool they agree).
+        raise ValueError(
+            f"value_cache strides {value_cache.stride()} != key_cache's {key_cache.stride()}"
+        )
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(f"query must be [tokens, q_heads, {head_dim}], got {tuple(query.shape)}")

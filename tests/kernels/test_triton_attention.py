@@ -18,7 +18,7 @@ import torch
 
 from kernels import reference, triton_cache_ops
 from kernels.metadata import AttentionMetadata
-from kernels.triton_attention import choose_launch
+from kernels.triton_attention import LaunchTuning, choose_launch, offsets_fit_int32
 from kernels.triton_backend import TritonBackend
 
 pytestmark = pytest.mark.interpreter
@@ -31,6 +31,8 @@ BATCHES = {
     "decode": [(1, 1), (1, 17), (1, 40), (1, 75)],
     "prefill": [(13, 13), (9, 41), (24, 24)],
     "mixed": [(1, 33), (12, 12), (1, 70), (7, 45)],
+    # Several whole tiles before the causal diagonal or the tail: the unmasked phase.
+    "long": [(1, 200), (1, 128), (17, 230), (40, 300), (3, 65)],
 }
 
 
@@ -138,6 +140,9 @@ CASES = [
     ("mixed", torch.bfloat16, 4, 4, 64, 64, None),
     ("mixed", torch.float16, 9, 3, 128, 16, None),
     ("mixed", torch.bfloat16, 6, 2, 64, 8, 4),
+    ("long", torch.float32, 9, 3, 64, 16, None),
+    ("long", torch.bfloat16, 8, 1, 128, 32, 2),
+    ("long", torch.float16, 4, 4, 64, 8, 4),
 ]
 
 
@@ -194,6 +199,65 @@ def test_random_batches_match_reference(seed: int) -> None:
     backend = TritonBackend(split_kv=rng.choice([None, 1, 2, 8]))
     out = poisoned_attend(backend, batch, head_dim**-0.5)
     assert rel_err(out, reference_attention(batch, head_dim**-0.5)) <= TOL[dtype]
+
+
+TUNINGS = [
+    LaunchTuning(skip_masks=False),
+    LaunchTuning(tile_n=16, num_warps=2),
+    LaunchTuning(tile_n=128, num_stages=4, num_splits=2),
+    LaunchTuning(tile_n=32, skip_masks=False, num_splits=4),
+    LaunchTuning(narrow_offsets=False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tuning", TUNINGS, ids=repr)
+def test_every_tuning_a_sweep_may_pick_is_correct(tuning: LaunchTuning, dtype: torch.dtype) -> None:
+    """benchmarks/kernels.py --sweep times these overrides on a GPU; each must be exact here."""
+    batch = make_batch(
+        BATCHES["long"], q_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=7
+    )
+    out = poisoned_attend(TritonBackend(tuning=tuning), batch, 0.125)
+    assert rel_err(out, reference_attention(batch, 0.125)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    ("tuning", "message"),
+    [
+        (dict(tile_n=48), "tile_n must be a power of two"),
+        (dict(tile_n=8), "at least 16"),
+        (dict(num_splits=0), "num_splits must be a power of two"),
+        (dict(num_stages=0), "num_stages"),
+    ],
+)
+def test_launch_tuning_rejects_what_a_gpu_cannot_run(tuning: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LaunchTuning(**tuning)  # type: ignore[arg-type]
+
+
+def test_launch_tuning_overrides_only_what_it_names() -> None:
+    args = dict(
+        num_tokens=64, num_seqs=64, max_query_len=1, max_seq_len=4096, num_q_heads=32,
+        num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, num_sms=132,
+    )  # fmt: skip
+    picked = choose_launch(**args)  # type: ignore[arg-type]
+    tuned = choose_launch(**args, tuning=LaunchTuning(num_stages=4, skip_masks=False))  # type: ignore[arg-type]
+    assert (tuned.num_stages, tuned.skip_masks) == (4, False)
+    assert (tuned.tile_n, tuned.num_splits, tuned.num_warps) == (
+        picked.tile_n, picked.num_splits, picked.num_warps,
+    )  # fmt: skip
+
+
+def test_int32_offsets_only_where_every_offset_fits() -> None:
+    """Past 2**31 elements a layer's cache needs int64 addressing (sizes only: meta tensors)."""
+    per_block = 16 * 8 * 128
+    fits = torch.empty((2**31 // per_block, 16, 8, 128), device="meta")
+    too_big = torch.empty((2**31 // per_block + 1, 16, 8, 128), device="meta")
+    assert offsets_fit_int32(fits)
+    assert not offsets_fit_int32(too_big)
+    # A K slice of a [L, 2, N, bs, H, D] pool: the offsets reach only across its own blocks.
+    pool = torch.empty((4, 2, 2**31 // per_block, 16, 8, 128), device="meta")
+    assert offsets_fit_int32(pool[3, 1])
 
 
 def test_attention_reads_strided_query_view() -> None:
@@ -269,6 +333,7 @@ def _attend(batch: Batch, **override: torch.Tensor) -> torch.Tensor:
         ("cache_last_dim_strided", "contiguous in head_dim"),
         ("cache_int_dtype", "dtype"),
         ("value_shape", "value_cache"),
+        ("value_strides", "value_cache strides"),
     ],
 )
 def test_attend_rejects_bad_inputs(small_batch: Batch, what: str, message: str) -> None:
@@ -282,6 +347,7 @@ def test_attend_rejects_bad_inputs(small_batch: Batch, what: str, message: str) 
         "cache_last_dim_strided": {"key_cache": k.transpose(2, 3).contiguous().transpose(2, 3)},
         "cache_int_dtype": {"key_cache": k.to(torch.int32)},
         "value_shape": {"value_cache": v[:-1]},
+        "value_strides": {"value_cache": v.transpose(0, 1).contiguous().transpose(0, 1)},
     }[what]
     with pytest.raises(ValueError, match=message):
         _attend(small_batch, **bad)
