@@ -376,17 +376,28 @@ SWEEP_POINTS = (
 def sweep_grid(point: SweepPoint) -> list[LaunchTuning]:
     """What a sweep times. At the target point: tile x warps x stages x splits, with the
     shortcuts on, and the default launch with each shortcut off; elsewhere only the split
-    count, the knob that depends most on the batch. About 50 compiles: ~2-3 min on an H200."""
+    count (the knob that depends most on the batch), with and without a register cap. About
+    55 compiles: ~2-3 min on an H200."""
     from kernels.triton_attention import LaunchTuning
 
     if point != SWEEP_POINTS[0]:
-        return [LaunchTuning(num_splits=splits) for splits in (1, 2, 4, 8)]
+        # With and without registers capped at the occupancy the split policy assumes.
+        cap = 65536 // ((4 if point.shape.head_dim > 64 else 8) * 4 * 32)
+        return [
+            LaunchTuning(num_splits=splits, max_registers=regs)
+            for splits, regs in itertools.product((1, 2, 4, 8), (None, cap))
+        ]
     # Triton 3.6 double-buffers K/V from 5 stages on (3 and 4 compile alike; kernel_code.py).
     axes = itertools.product((32, 64, 128), (4, 8), (2, 3, 5), (1, 2))
     grid = [
         LaunchTuning(tile_n=t, num_warps=w, num_stages=st, num_splits=sp) for t, w, st, sp in axes
     ]
-    return [*grid, LaunchTuning(skip_masks=False), LaunchTuning(narrow_offsets=False)]
+    ablations = [
+        LaunchTuning(skip_masks=False),
+        LaunchTuning(narrow_offsets=False),
+        LaunchTuning(max_registers=128),
+    ]
+    return [*grid, *ablations]
 
 
 def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None:
@@ -412,12 +423,14 @@ def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None
             )
             knobs = [str(launch.tile_n), str(launch.num_warps), str(launch.num_stages),
                      str(launch.num_splits), "yes" if launch.skip_masks else "no",
-                     "yes" if launch.narrow_offsets else "no"]  # fmt: skip
+                     "yes" if launch.narrow_offsets else "no",
+                     str(launch.max_registers or "-")]  # fmt: skip
             try:
                 err = rel_err(attend(backend, p, plan), expected)
                 ms = gpu_ms(functools.partial(attend, backend, p, plan), device)
             except Exception as exc:  # e.g. shared memory the card does not have
-                timed.append((math.inf, [*knobs, f"did not run: {type(exc).__name__}", "", "", ""]))
+                failed = f"did not run: {type(exc).__name__}"
+                timed.append((math.inf, [*knobs, failed, "", "", ""]))
                 continue
             check = report.check(f"sweep {point} {tuning}", err, 2e-2)
             is_default = launch == picked
@@ -431,8 +444,8 @@ def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None
             f"### Launch sweep: decode {point.batch} x {point.ctx}, {point.shape.name} "
             f"{str(point.shape.dtype)[6:]}; SDPA {1000 * sdpa_ms:.1f} µs"
         )
-        header = ["tile", "warps", "stages", "splits", "skip masks", "int32 offsets", "GPU µs",
-                  "of copy BW", "SDPA / triton", "rel err vs SDPA"]  # fmt: skip
+        header = ["tile", "warps", "stages", "splits", "skip masks", "int32 offsets", "max regs",
+                  "GPU µs", "of copy BW", "SDPA / triton", "rel err vs SDPA"]  # fmt: skip
         report.table(header, [row for _, row in timed])
         del p, k, v, expected
         torch.cuda.empty_cache()

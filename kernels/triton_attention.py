@@ -310,6 +310,9 @@ class AttentionLaunch:
     num_stages: int
     skip_masks: bool = True  # whole tiles every row sees skip the bounds and causal masks
     narrow_offsets: bool = True  # int32 cache offsets where the cache is small enough
+    # Registers per thread the compiler may use (ptxas maxnreg); None: its own choice. A cap
+    # can buy the occupancy the split policy assumes (4 programs per SM at head_dim 128).
+    max_registers: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -322,6 +325,7 @@ class LaunchTuning:
     num_stages: int | None = None
     skip_masks: bool | None = None
     narrow_offsets: bool | None = None
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tile_n", "num_splits", "num_warps"):
@@ -332,6 +336,8 @@ class LaunchTuning:
             raise ValueError(f"tile_n must be at least 16 (tl.dot), got {self.tile_n}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
+        if self.max_registers is not None and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in 24..255, got {self.max_registers}")
 
     def apply(self, launch: AttentionLaunch) -> AttentionLaunch:
         picks = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -481,6 +487,7 @@ def launch_paged_attention(
         UPCAST_DOT=INTERPRETER and query.dtype == torch.bfloat16,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        **({} if launch.max_registers is None else {"maxnreg": launch.max_registers}),
     )
     if launch.num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_q_heads)](

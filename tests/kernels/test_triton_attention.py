@@ -207,6 +207,7 @@ TUNINGS = [
     LaunchTuning(tile_n=128, num_stages=4, num_splits=2),
     LaunchTuning(tile_n=32, skip_masks=False, num_splits=4),
     LaunchTuning(narrow_offsets=False),
+    LaunchTuning(max_registers=128, num_splits=2),
 ]
 
 
@@ -228,6 +229,7 @@ def test_every_tuning_a_sweep_may_pick_is_correct(tuning: LaunchTuning, dtype: t
         (dict(tile_n=8), "at least 16"),
         (dict(num_splits=0), "num_splits must be a power of two"),
         (dict(num_stages=0), "num_stages"),
+        (dict(max_registers=300), "max_registers"),
     ],
 )
 def test_launch_tuning_rejects_what_a_gpu_cannot_run(tuning: dict[str, int], message: str) -> None:
