@@ -1,8 +1,9 @@
 """AsyncEngine: the engine's steps on one thread, its streams on the asyncio loop.
 
 NOTE (threads): only the engine thread touches the LLMEngine. The loop talks to it through a
-command queue (add, abort) and hears back through `call_soon_threadsafe`, one batch of outputs
-per step. torch releases the GIL inside its ops, so the loop stays responsive during a step.
+command queue (add, abort, page-map snapshot) and hears back through `call_soon_threadsafe`,
+one batch of outputs per step. torch releases the GIL inside its ops, so the loop stays
+responsive during a step.
 NOTE (cancellation): a stream that ends before its request finished (the consumer broke out,
 was cancelled, or its client went away) aborts the request; the engine frees its blocks
 before the next step.
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from service.engine.blocks import Tier
-from service.engine.engine import EngineStats, LLMEngine, RequestError, RequestOutput
+from service.engine.engine import EngineStats, LLMEngine, PageMap, RequestError, RequestOutput
 from service.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,17 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Snapshot:
+    """Ask for a page map between two steps; the answer lands in `future`."""
+
+    future: asyncio.Future[PageMap]
+    max_sequences: int
+
+
+_Command = _Add | _Abort | _Snapshot
+
+
+@dataclass(slots=True)
 class _Stream:
     num_samples: int
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
@@ -55,7 +67,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -92,6 +104,14 @@ class AsyncEngine:
         """
         tier_of = self.engine.block_manager.tier_of
         return [tier_of(h) for h in block_hashes]
+
+    async def page_map(self, max_sequences: int = 256) -> PageMap:
+        """The KV pools slot by slot and the live block tables, taken between two steps."""
+        if self._error is not None or self._thread is None:
+            raise EngineDeadError("the engine is not running") from self._error
+        future: asyncio.Future[PageMap] = asyncio.get_running_loop().create_future()
+        self._send(_Snapshot(future, max_sequences))
+        return await future
 
     @property
     def num_active_requests(self) -> int:
@@ -132,7 +152,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -165,6 +185,9 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 continue
+            if isinstance(command, _Snapshot):
+                self._post(_resolve, command.future, self.engine.page_map(command.max_sequences))
+                continue
             try:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params
@@ -193,3 +216,8 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(f"the engine failed: {exc!r}"))
+
+
+def _resolve(future: asyncio.Future[PageMap], page_map: PageMap) -> None:
+    if not future.done():  # its waiter may have been cancelled meanwhile
+        future.set_result(page_map)

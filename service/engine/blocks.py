@@ -102,6 +102,15 @@ class PoolUsage:
     in_use: int
 
 
+class SlotState(enum.IntEnum):
+    """What one physical slot holds, for page-map views (`BlockManager.slot_states`)."""
+
+    FREE = 0
+    IN_USE = 1  # in one sequence's block table
+    SHARED = 2  # in several tables: a shared prefix or forked samples (copy-on-write)
+    CACHED = 3  # no holder; kept under its content hash for a later prefix hit
+
+
 @dataclass(slots=True)
 class BlockStats:
     device: PoolUsage
@@ -366,6 +375,17 @@ class BlockManager:
             blocks_copied=c.copied,
             blocks_dropped=c.dropped,
         )
+
+    def slot_states(self, tier: Tier) -> list[SlotState]:
+        """The state of every slot of `tier`, indexed by slot."""
+        pool = self._pool(tier)
+        states = [SlotState.FREE] * pool.total
+        for slot, block in pool.held.items():
+            if block.ref_count == 0:
+                states[slot] = SlotState.CACHED
+            else:
+                states[slot] = SlotState.IN_USE if block.ref_count == 1 else SlotState.SHARED
+        return states
 
     def tier_of(self, block_hash: int) -> Tier | None:
         """Where the block with this content hash is now, if it is anywhere."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.backend import get_backend
-from service.engine.blocks import AllocationMode, BlockManager, BlockStats
+from service.engine.blocks import AllocationMode, BlockManager, BlockStats, SlotState, Tier
 from service.engine.config import EngineConfig
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
@@ -82,6 +82,29 @@ class EngineStats:
     prompt_tokens_computed: int
     tokens_generated: int
     timing: StepTiming
+
+
+@dataclass(slots=True, frozen=True)
+class SequencePages:
+    """One live sequence's block table: (tier, slot) of each of its blocks, in order."""
+
+    request_id: str
+    sample_index: int
+    status: str  # waiting, running or swapped
+    num_tokens: int
+    num_computed_tokens: int
+    blocks: list[tuple[Tier, int]]
+
+
+@dataclass(slots=True, frozen=True)
+class PageMap:
+    """Who holds which KV slot right now: both tiers slot by slot, and the live tables."""
+
+    block_size: int
+    device: list[SlotState]
+    cpu: list[SlotState]
+    sequences: list[SequencePages]
+    num_sequences: int  # live sequences in all; `sequences` may list only the first ones
 
 
 @dataclass(slots=True)
@@ -274,6 +297,28 @@ class LLMEngine:
             prompt_tokens_computed=self._prompt_tokens_computed,
             tokens_generated=self._tokens_generated,
             timing=dataclasses.replace(self._timing),
+        )
+
+    def page_map(self, max_sequences: int = 256) -> PageMap:
+        """A snapshot of the KV pools for live views (read between steps, on this thread)."""
+        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        bm = self.block_manager
+        return PageMap(
+            block_size=bm.block_size,
+            device=bm.slot_states(Tier.DEVICE),
+            cpu=bm.slot_states(Tier.CPU),
+            sequences=[
+                SequencePages(
+                    request_id=seq.request_id,
+                    sample_index=seq.sample_index,
+                    status=seq.status.value,
+                    num_tokens=seq.num_tokens,
+                    num_computed_tokens=seq.num_computed_tokens,
+                    blocks=[(block.tier, block.slot) for block in seq.block_table],
+                )
+                for seq in live[:max_sequences]
+            ],
+            num_sequences=len(live),
         )
 
     def check_balanced(self) -> None:

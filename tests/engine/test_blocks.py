@@ -27,6 +27,7 @@ from service.engine.blocks import (
     BlockManager,
     BlockOp,
     OpKind,
+    SlotState,
     Tier,
     hash_block,
     hash_blocks,
@@ -529,6 +530,51 @@ def test_swap_out_needs_room_for_every_private_block() -> None:
     seq = make_seq([1, 2, 3, 4, 5])
     assert admit(bm, kv, seq, chunk=5)
     assert not bm.can_swap_out(seq)
+
+
+# ---------------------------------------------------------------------- page-map views
+
+
+def test_slot_states_tell_free_in_use_shared_and_cached_slots_apart() -> None:
+    bm, kv = manager(8, 4, 2)
+    parent = make_seq([1, 2, 3, 4, 5])  # blocks [1 2] [3 4] [5]
+    assert admit(bm, kv, parent, chunk=5)
+    child = fork(bm, kv, parent, 1)
+    assert decode(bm, kv, child, 9)  # writes into the shared partial block: copied first
+    device = bm.slot_states(Tier.DEVICE)
+    shared = {b.slot for b in parent.block_table[:2]}
+    assert {b.slot for b in child.block_table[:2]} == shared
+    own = {parent.block_table[2].slot, child.block_table[2].slot}
+    assert len(own) == 2
+    assert {i for i, s in enumerate(device) if s is SlotState.SHARED} == shared
+    assert {i for i, s in enumerate(device) if s is SlotState.IN_USE} == own
+    assert device.count(SlotState.FREE) == 8 - 4
+    assert bm.slot_states(Tier.CPU) == [SlotState.FREE] * 4
+
+    child_full = child.block_table[2].slot  # [5 9]: full once the child decoded
+    bm.free(child)
+    bm.free(parent)
+    device = bm.slot_states(Tier.DEVICE)
+    # Full blocks stay cached for a prefix hit; the parent's partial last block is freed.
+    assert {i for i, s in enumerate(device) if s is SlotState.CACHED} == shared | {child_full}
+    assert device.count(SlotState.FREE) == 5
+    assert bm.is_idle_balanced()
+
+
+def test_slot_states_follow_a_block_swapped_to_the_cpu() -> None:
+    bm, kv = manager(4, 4, 2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    assert admit(bm, kv, seq, chunk=5)
+    assert bm.can_swap_out(seq)
+    bm.swap_out(seq)
+    kv.run_ops()
+    cpu = bm.slot_states(Tier.CPU)
+    assert {i for i, s in enumerate(cpu) if s is SlotState.IN_USE} == {
+        b.slot for b in seq.block_table
+    }
+    assert bm.slot_states(Tier.DEVICE) == [SlotState.FREE] * 4
+    bm.free(seq)
+    assert bm.is_idle_balanced()
 
 
 # ---------------------------------------------------------------------- contiguous mode

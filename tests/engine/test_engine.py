@@ -239,3 +239,41 @@ def test_parallel_samples_never_exceed_max_num_seqs(make_engine: EngineFactory) 
         assert engine.stats().num_running <= 2
     assert sorted(samples) == [0, 1, 2, 3]
     assert len({tuple(s) for s in samples.values()}) == 1  # greedy: all alike
+
+
+def test_page_map_shows_every_live_table_and_the_slots_they_hold(
+    make_engine: EngineFactory,
+) -> None:
+    """Forked samples share their prompt's full blocks: the map shows them shared, each
+    sample's own last block in use, and nothing left but cached blocks once they finish."""
+    from service.engine.blocks import SlotState, Tier
+
+    engine = make_engine(block_size=4, max_num_batched_tokens=64)
+    prompt = random_prompts(1, seed=17, lengths=(10, 10))["r0"]  # 2 full blocks + 2 tokens
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4, ignore_eos=True)
+    engine.add_request("fork", prompt, params)
+    engine.step()  # prefill, then the samples fork
+    engine.step()
+    page_map = engine.page_map()
+    assert page_map.block_size == 4
+    assert page_map.num_sequences == len(page_map.sequences) == 3
+    assert sorted(s.sample_index for s in page_map.sequences) == [0, 1, 2]
+    holders: dict[tuple[Tier, int], int] = {}
+    for seq in page_map.sequences:
+        assert seq.request_id == "fork" and seq.status == "running"
+        assert len(seq.blocks) == -(-seq.num_tokens // 4)
+        for block in seq.blocks:
+            holders[block] = holders.get(block, 0) + 1
+    for (tier, slot), count in holders.items():
+        states = page_map.device if tier is Tier.DEVICE else page_map.cpu
+        assert states[slot] is (SlotState.SHARED if count > 1 else SlotState.IN_USE)
+    held = sum(s in (SlotState.IN_USE, SlotState.SHARED) for s in page_map.device)
+    assert held == len(holders)
+    assert engine.page_map(max_sequences=1).sequences == page_map.sequences[:1]
+
+    while engine.has_unfinished_requests():
+        engine.step()
+    idle = engine.page_map()
+    assert idle.sequences == [] and idle.num_sequences == 0
+    assert set(idle.device) <= {SlotState.FREE, SlotState.CACHED}
+    assert SlotState.CACHED in idle.device
