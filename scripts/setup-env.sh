@@ -15,6 +15,17 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
     fi
 fi
 
+# Debian's chromium drives the browser tests (tests/api/test_web.py, through Playwright).
+if ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "installing chromium (browser tests)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+            >/dev/null || echo "could not install chromium: the browser tests will be skipped" >&2
+    else
+        echo "chromium is missing: the browser tests will be skipped (apt-get install chromium)" >&2
+    fi
+fi
+
 py=${PYTHON:-python3}
 stamp=.venv/.pagechat-setup
 want=$(cat requirements.lock pyproject.toml scripts/setup-env.sh | sha256sum | cut -c1-16)

@@ -1,23 +1,30 @@
-"""The Starlette app: /v1/chat (WebSocket), /health, /v1/stats and /metrics."""
+"""The Starlette app: /v1/chat (WebSocket), /health, /v1/stats, /v1/kv and /metrics; the
+browser chat page at / and the live KV page map at /kv."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 import redis.exceptions
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from service.api import stats
+from service.api import pagemap, stats
 from service.api.connection import ChatConnection
 from service.api.service import ChatService
+from service.engine.async_engine import EngineDeadError
 
 _json = msgspec.json.Encoder()
+WEB = Path(__file__).with_name("web")
+# A page map waits for the step in flight to end; a step takes well under this.
+PAGE_MAP_TIMEOUT_S = 10.0
 
 
 def create_app(service: ChatService) -> Starlette:
@@ -52,6 +59,32 @@ def create_app(service: ChatService) -> Starlette:
         body = _json.encode(stats.collect(service, lag_window_s=window))
         return Response(body, media_type="application/json")
 
+    async def kv_json(request: Request) -> Response:
+        try:
+            max_sequences = int(request.query_params.get("max_sequences", "256"))
+        except ValueError:
+            max_sequences = -1
+        if not 0 <= max_sequences <= 10_000:
+            return JSONResponse(
+                {"error": "max_sequences must be an integer in 0..10000"}, status_code=400
+            )
+        try:
+            snapshot = await asyncio.wait_for(
+                service.engine.page_map(max_sequences), PAGE_MAP_TIMEOUT_S
+            )
+        except (EngineDeadError, TimeoutError) as exc:
+            return JSONResponse({"error": f"no page map: {exc!r}"}, status_code=503)
+        return Response(_json.encode(pagemap.view(snapshot)), media_type="application/json")
+
+    chat_page = (WEB / "chat.html").read_text()
+    kv_page = (WEB / "kv.html").read_text()
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(chat_page)
+
+    async def kv_view(request: Request) -> Response:
+        return HTMLResponse(kv_page)
+
     async def metrics(request: Request) -> Response:
         return Response(
             service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
@@ -62,7 +95,10 @@ def create_app(service: ChatService) -> Starlette:
             WebSocketRoute("/v1/chat", chat),
             Route("/health", health),
             Route("/v1/stats", stats_json),
+            Route("/v1/kv", kv_json),
             Route("/metrics", metrics),
+            Route("/", index),
+            Route("/kv", kv_view),
         ],
         lifespan=lifespan,
     )

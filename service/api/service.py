@@ -168,7 +168,10 @@ class ChatService:
 
     async def _complete(self, session_id: str, token_ids: list[int]) -> None:
         try:
-            async for _ in self.engine.generate(token_ids, SamplingParams(max_tokens=0)):
+            # Named after its session (the /kv view shows it so), unique per conversation length.
+            request_id = f"{session_id}/tail/{len(token_ids)}"
+            params = SamplingParams(max_tokens=0)
+            async for _ in self.engine.generate(token_ids, params, request_id=request_id):
                 pass
         except (RequestError, EngineDeadError) as exc:
             # Too long for the context, or shutting down: the next turn recomputes the tail.
