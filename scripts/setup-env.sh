@@ -4,27 +4,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# nginx (Debian's package) fronts the replicas in tests/scaleout; installed once, if missing.
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        echo "installing nginx (tests/scaleout)" >&2
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx; } \
-            >/dev/null || echo "could not install nginx: the scale-out test will be skipped" >&2
-    else
-        echo "nginx is missing: the scale-out test will be skipped (apt-get install nginx)" >&2
+# Debian packages some tests need, installed once if missing (as root, where apt-get exists);
+# without them those tests are skipped, with a line saying so.
+apt_install_missing() {  # command, package, the tests that need it
+    local cmd=$1 package=$2 tests=$3
+    if command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ]; then
+        return 0
     fi
-fi
-
-# Debian's chromium drives the browser tests (tests/api/test_web.py, through Playwright).
-if ! command -v chromium >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        echo "installing chromium (browser tests)" >&2
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
-            >/dev/null || echo "could not install chromium: the browser tests will be skipped" >&2
+        echo "installing $package ($tests)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package"; } \
+            >/dev/null || echo "could not install $package: $tests will be skipped" >&2
     else
-        echo "chromium is missing: the browser tests will be skipped (apt-get install chromium)" >&2
+        echo "$package is missing: $tests will be skipped (apt-get install $package)" >&2
     fi
-fi
+}
+apt_install_missing nginx nginx "the scale-out test"  # fronts the replicas in tests/scaleout
+apt_install_missing chromium chromium "the browser tests"  # tests/api/test_web.py, via Playwright
 
 py=${PYTHON:-python3}
 stamp=.venv/.pagechat-setup

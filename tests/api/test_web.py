@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -116,8 +117,15 @@ def test_pages_are_served_as_html(server: ServerProcess) -> None:
 # ---------------------------------------------------------------------- in a real browser
 
 
+@dataclass
+class Page:
+    page: Any  # playwright.async_api.Page
+    errors: list[str]  # uncaught JavaScript errors
+
+
 @pytest.fixture
-async def browser() -> AsyncIterator[Any]:
+async def open_page(server: ServerProcess) -> AsyncIterator[Callable[[str], Awaitable[Page]]]:
+    """Open a server path in headless Chromium, collecting the page's JavaScript errors."""
     if CHROMIUM is None:
         pytest.skip("no chromium on this machine (apt-get install chromium)")
     from playwright.async_api import async_playwright
@@ -125,19 +133,24 @@ async def browser() -> AsyncIterator[Any]:
     async with async_playwright() as pw:
         # --no-sandbox: CI and this machine run as root, where Chromium's sandbox refuses.
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+
+        async def open_(path: str) -> Page:
+            page = Page(await browser.new_page(), [])
+            page.page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+            await page.page.goto(server.http + path)
+            return page
+
         try:
-            yield browser
+            yield open_
         finally:
             await browser.close()
 
 
 async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation(
-    server: ServerProcess, browser: Any
+    open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
-    page = await browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    await page.goto(server.http + "/")
+    opened = await open_page("/")
+    page = opened.page
     await page.fill("#system", "You are a helpful assistant. Answer briefly.")
     await page.click("#start")
     await page.wait_for_selector("#input:not([disabled])")
@@ -164,22 +177,18 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
     # The first turn's conversation came back from the prefix cache, not recomputed.
     cached = int(second_usage.split(": ")[1].split(" cached")[0])
     assert cached > 0
-    assert errors == []
-    await page.close()
+    assert opened.errors == []
 
 
 async def test_kv_view_draws_both_pools_and_counts_every_block(
-    server: ServerProcess, browser: Any
+    open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
-    page = await browser.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    await page.goto(server.http + "/kv")
+    opened = await open_page("/kv")
+    page = opened.page
     await page.wait_for_selector("body[data-ready='1']")
     assert await page.get_attribute("#device", "data-slots") == str(DEVICE_BLOCKS)
     assert await page.get_attribute("#cpu", "data-slots") == str(CPU_BLOCKS)
     counts = [int(await page.inner_text(f"#n-{k}")) for k in ("free", "use", "shared", "cached")]
     assert sum(counts) == DEVICE_BLOCKS + CPU_BLOCKS
     assert await page.inner_text("#block-size") == "16"
-    assert errors == []
-    await page.close()
+    assert opened.errors == []
