@@ -14,6 +14,9 @@ versions compile differently, so for figures that match it, put that version fir
 
     .venv/bin/pip install --no-deps --target /tmp/triton36 triton==3.6.0
     PYTHONPATH=/tmp/triton36 .venv/bin/python -m benchmarks.kernel_code [--out code.md]
+
+With --matrix it instead compiles every launch over dtype x head dim x GQA x batch kind and
+says which failed to compile or spilled (about 100 launches, two minutes).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -69,7 +73,23 @@ CASES = [
     Case("decode 64 x 4096, 9/3/64 bf16", *decode(64, 4096), q_heads=9, kv_heads=3, head_dim=64),
     Case("decode 64 x 4096, 9/3/64 fp32", *decode(64, 4096), 9, 3, 64, torch.float32),
     Case("prefill 4 x 2048, 32/8/128 bf16", (2048,) * 4, (2048,) * 4),
+    Case("mixed, 9/3/128 fp16", (1, 1, 130), (700, 2000, 400), 9, 3, 128, torch.float16),
+    Case("prefill over a prefix, 8/8/64 fp32", (300, 200), (300, 900), 8, 8, 64, torch.float32),
 ]
+
+
+def matrix() -> list[Case]:
+    """Every dtype, head dim 64 and 128, GQA 1, 3 and 8, and decode / prefill / mixed."""
+    batches = {
+        "decode": ((1,) * 8, (3000,) * 8),
+        "prefill": ((300, 200), (300, 900)),
+        "mixed": ((1, 1, 130), (700, 2000, 400)),
+    }
+    axes = itertools.product(TRITON_DTYPES, (64, 128), ((8, 8), (9, 3), (32, 4)), batches)
+    return [
+        Case(f"{kind} {q}/{kv}/{dim} {TRITON_DTYPES[dtype]}", *batches[kind], q, kv, dim, dtype)
+        for dtype, dim, (q, kv), kind in axes
+    ]
 
 
 @dataclass
@@ -264,9 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, help="also write the table to this markdown file")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    parser.add_argument("--matrix", action="store_true", help="compile every launch shape")
     args = parser.parse_args(argv)
     if triton_attention.INTERPRETER:
         parser.error("unset TRITON_INTERPRET: the interpreter replaces the kernels it compiles")
+    if args.matrix:
+        return compile_matrix()
     records: list[dict[str, Any]] = []
     lines = [
         f"Attention kernel compiled for sm_{SM90[0]} by Triton {triton.__version__} "
@@ -301,6 +324,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(records, indent=1))
     return 0
+
+
+def compile_matrix() -> int:
+    launches, problems, most_registers = 0, [], 0
+    for case in matrix():
+        for call in record_attention(case, num_sms=SM90[1]):
+            launches += 1
+            try:
+                code = compile_for_sm90(call)
+            except Exception as exc:  # report every failure, not just the first
+                problems.append(f"{case.name}, {call.kernel.__name__}: {exc!r}"[:300])
+                continue
+            most_registers = max(most_registers, code.registers)
+            if code.local_bytes:
+                problems.append(f"{case.name}, {call.kernel.__name__}: spills {code.local_bytes} B")
+    print(
+        f"{launches} launches compiled for sm_{SM90[0]} by Triton {triton.__version__}: "
+        f"{len(problems)} failed or spilled; at most {most_registers} registers per thread"
+    )
+    for problem in problems:
+        print("  " + problem)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
