@@ -175,6 +175,7 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._error = exc
             self._post(self._fail_all, exc)
+            self._fail_snapshots(exc)
 
     def _drain_commands(self) -> None:
         while True:
@@ -194,6 +195,17 @@ class AsyncEngine:
                 )
             except RequestError as exc:
                 self._post(self._reject, command.request_id, exc)
+
+    def _fail_snapshots(self, exc: BaseException) -> None:
+        """Page maps asked for after the last step would otherwise wait forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Snapshot):
+                dead = EngineDeadError(f"the engine failed: {exc!r}")
+                self._post(_fail, command.future, dead)
 
     def _post(self, callback: object, *args: object) -> None:
         assert self._loop is not None
@@ -221,3 +233,8 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future[PageMap], page_map: PageMap) -> None:
     if not future.done():  # its waiter may have been cancelled meanwhile
         future.set_result(page_map)
+
+
+def _fail(future: asyncio.Future[PageMap], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine
+from service.engine.async_engine import AsyncEngine, EngineDeadError
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from tests.engine.conftest import EngineFactory
@@ -112,3 +113,53 @@ async def test_parallel_samples_arrive_on_one_stream(make_engine: EngineFactory)
     finally:
         await engine.stop()
     assert per_sample == {0: 5, 1: 5, 2: 5}
+
+
+async def test_page_map_is_taken_between_steps_and_refused_once_stopped(
+    make_engine: EngineFactory,
+) -> None:
+    engine = AsyncEngine(make_engine(block_size=4))
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        async with contextlib.aclosing(engine.generate(prompt(6, 21), params, "pm")) as stream:
+            await anext(stream)
+            during = await engine.page_map()
+            (seq,) = during.sequences
+            assert (seq.request_id, seq.status) == ("pm", "running")
+            assert len(seq.blocks) == -(-seq.num_tokens // 4)
+        await asyncio.sleep(0.2)  # the abort lands before the next step
+        assert (await engine.page_map()).num_sequences == 0
+    finally:
+        await engine.stop()
+    with pytest.raises(EngineDeadError):
+        await engine.page_map()
+
+
+async def test_a_page_map_asked_for_when_the_engine_fails_fails_too(
+    make_engine: EngineFactory,
+) -> None:
+    sync_engine = make_engine()
+    in_step, fail_now = threading.Event(), threading.Event()
+
+    def failing_step() -> list[RequestOutput]:
+        in_step.set()
+        fail_now.wait(10)
+        raise RuntimeError("injected step failure")
+
+    sync_engine.step = failing_step  # type: ignore[method-assign]
+    engine = AsyncEngine(sync_engine)
+    await engine.start()
+    stream = engine.generate(prompt(7), greedy(4), "boom")
+    first = asyncio.create_task(anext(stream))
+    await asyncio.to_thread(in_step.wait, 10)
+    snapshot = asyncio.create_task(engine.page_map())
+    await asyncio.sleep(0.05)  # queued behind the step in flight
+    fail_now.set()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(snapshot, 10)
+    with pytest.raises(EngineDeadError):
+        await first
+    await stream.aclose()
+    await engine.stop()
+    sync_engine.abort("boom")  # the dead thread never did; the pools must balance after it
