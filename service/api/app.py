@@ -1,5 +1,6 @@
-"""The Starlette app: /v1/chat (WebSocket), /health, /v1/stats, /v1/kv and /metrics; the
-browser chat page at / and the live KV page map at /kv."""
+"""The Starlette app: /v1/chat (WebSocket), the OpenAI-compatible /v1/chat/completions and
+/v1/models, /health, /v1/stats, /v1/kv and /metrics; the browser chat page at / and the live
+KV page map at /kv."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.websockets import WebSocket
 
 from service.api import pagemap, stats
 from service.api.connection import ChatConnection
+from service.api.openai import ChatCompletions
 from service.api.service import ChatService
 from service.engine.async_engine import EngineDeadError
 
@@ -76,6 +78,7 @@ def create_app(service: ChatService) -> Starlette:
             return JSONResponse({"error": f"no page map: {exc!r}"}, status_code=503)
         return Response(_json.encode(pagemap.view(snapshot)), media_type="application/json")
 
+    completions = ChatCompletions(service)
     chat_page = (WEB / "chat.html").read_text()
     kv_page = (WEB / "kv.html").read_text()
 
@@ -96,6 +99,8 @@ def create_app(service: ChatService) -> Starlette:
             Route("/health", health),
             Route("/v1/stats", stats_json),
             Route("/v1/kv", kv_json),
+            Route("/v1/chat/completions", completions.create, methods=["POST"]),
+            Route("/v1/models", completions.models),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_view),

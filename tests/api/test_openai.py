@@ -1,0 +1,203 @@
+"""The OpenAI-compatible endpoints against a real `pagechat serve`: /v1/models, and
+/v1/chat/completions whole and streamed (SSE), with every refusal in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from tests.api.server import (
+    REDIS_URL,
+    ServerProcess,
+    delete_prefix,
+    start_server,
+    unique_prefix,
+    wait_balanced,
+)
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
+
+MAX_MODEL_LEN = 256
+BODY_LIMIT = 65536
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    prefix = unique_prefix()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = start_server(
+        log,
+        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--dtype", "float32"),
+        *("--num-device-blocks", "64", "--num-cpu-blocks", "64"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens-limit", "128"),
+        *("--default-max-tokens", "64"),
+        *("--max-inflight-turns", "1", "--ws-max-size", str(BODY_LIMIT)),
+    )
+    yield server
+    code = server.stop()
+    delete_prefix(prefix)
+    assert code == 0, f"unclean exit {code}:\n{server.log()}"
+
+
+@pytest.fixture(autouse=True)
+async def balanced(server: ServerProcess) -> AsyncIterator[None]:
+    yield
+    await wait_balanced(server)
+
+
+def post(server: ServerProcess, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", data, {"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def stream(server: ServerProcess, body: dict[str, Any]) -> list[str]:
+    """The SSE `data:` payloads of a streamed completion, in order."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("content-type", "").startswith("text/event-stream")
+        events = []
+        for line in response:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+        return events
+    finally:
+        conn.close()
+
+
+def test_models_lists_the_served_model(server: ServerProcess) -> None:
+    status, body = server.get("/v1/models")
+    assert status == 200
+    (model,) = json.loads(body)["data"]
+    assert model["object"] == "model"
+    assert model["id"] == json.loads(server.get("/health")[1])["model"]
+
+
+def test_a_completion_answers_and_a_repeat_hits_the_prefix_cache(server: ServerProcess) -> None:
+    status, first = post(server, {"messages": FRANCE, "temperature": 0, "max_tokens": 16})
+    assert status == 200, first
+    (choice,) = first["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"
+    usage = first["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    status, second = post(server, {"messages": FRANCE, "temperature": 0, "max_tokens": 16})
+    assert status == 200
+    # The same prompt again: its full blocks come from the cache.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_a_stream_sends_the_role_then_deltas_then_the_finish_usage_and_done(
+    server: ServerProcess,
+) -> None:
+    events = stream(
+        server,
+        {
+            "messages": FRANCE,
+            "max_completion_tokens": 6,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    deltas = [c["choices"][0] for c in chunks[1:-1]]
+    assert "".join(d["delta"].get("content", "") for d in deltas).strip()
+    assert deltas[-1]["finish_reason"] in ("stop", "length")
+    assert all(d["finish_reason"] is None for d in deltas[:-1])
+    usage = chunks[-1]
+    assert usage["choices"] == [] and 1 <= usage["usage"]["completion_tokens"] <= 6
+
+
+def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
+    body = {"messages": FRANCE, "n": 3, "seed": 7, "max_tokens": 5}
+    status, result = post(server, body)
+    assert status == 200, result
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] in ("stop", "length") for c in result["choices"])
+    assert result["usage"]["completion_tokens"] <= 15
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "bad_request"),
+        ({"messages": FRANCE, "tools": []}, 400, "bad_request"),
+        ({"messages": []}, 400, "invalid_value"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),
+        ({"messages": [*FRANCE, {"role": "assistant", "content": "Hm"}]}, 400, "invalid_value"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]},
+            400,
+            "invalid_value",
+        ),
+        ({"messages": FRANCE, "model": "gpt-4o"}, 404, "model_not_found"),
+        ({"messages": FRANCE, "max_tokens": 129}, 400, "invalid_value"),
+        ({"messages": FRANCE, "temperature": -1}, 400, "invalid_value"),
+        ({"messages": FRANCE, "presence_penalty": 0.5}, 400, "unsupported_value"),
+        ({"messages": FRANCE, "logprobs": True}, 400, "unsupported_value"),
+        (
+            {"messages": [{"role": "user", "content": "river " * 300}]},
+            400,
+            "context_length_exceeded",
+        ),
+        ({"messages": [{"role": "user", "content": "x" * BODY_LIMIT}]}, 413, "request_too_large"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_requests_get_openai_shaped_errors(
+    server: ServerProcess, body: bytes | dict[str, Any], status: int, code: str
+) -> None:
+    got, result = post(server, body)
+    assert got == status, result
+    error = result["error"]
+    assert error["code"] == code
+    assert error["message"] and error["type"] == "invalid_request_error"
+
+
+async def test_a_client_leaving_a_stream_stops_it_and_frees_its_blocks(
+    server: ServerProcess,
+) -> None:
+    body = {"messages": FRANCE, "max_tokens": 128, "stream": True}
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    data = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    while b'"content"' not in await reader.readline():  # the first token has come
+        pass
+    before = (await server.astats())["engine"]["tokens_generated"]
+    writer.close()
+    stats = await wait_balanced(server, timeout=2.0)
+    assert stats["engine"]["tokens_generated"] - before < 100  # stopped well short of 128
+
+
+async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: ServerProcess) -> None:
+    body = {"messages": FRANCE, "max_tokens": 64, "stream": True}
+    first = asyncio.create_task(asyncio.to_thread(stream, server, body))
+    while (await server.astats())["queue"]["inflight_turns"] == 0:
+        await asyncio.sleep(0.01)
+    status, result = await asyncio.to_thread(post, server, {"messages": FRANCE})
+    assert status == 429
+    assert result["error"]["code"] == "overloaded"
+    assert (await first)[-1] == "[DONE]"
