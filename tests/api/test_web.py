@@ -192,3 +192,40 @@ async def test_kv_view_draws_both_pools_and_counts_every_block(
     assert sum(counts) == DEVICE_BLOCKS + CPU_BLOCKS
     assert await page.inner_text("#block-size") == "16"
     assert opened.errors == []
+
+
+async def test_stop_ends_an_answer_as_cancelled_and_the_chat_goes_on(
+    open_page: Callable[[str], Awaitable[Page]],
+) -> None:
+    opened = await open_page("/")
+    page = opened.page
+    await page.click("#start")
+    await page.wait_for_selector("#input:not([disabled])")
+    await page.fill("#input", "Write a very long story about a lighthouse keeper.")
+    await page.keyboard.press("Enter")
+    await page.wait_for_selector(".msg.assistant.streaming")  # the first delta has come
+    await page.click("#stop")
+    usage = await page.wait_for_selector(".usage", timeout=60_000)
+    assert "cancelled" in await usage.inner_text()
+    await page.wait_for_selector("#input:not([disabled])")  # ready for the next message
+    assert await page.is_hidden("#stop")
+    assert opened.errors == []
+
+
+async def test_kv_view_lists_a_streaming_answer_with_its_blocks(
+    server: ServerProcess, open_page: Callable[[str], Awaitable[Page]]
+) -> None:
+    opened = await open_page("/kv")
+    page = opened.page
+    async with await ChatClient.connect(server.ws) as chat:
+        session = await chat.open()
+        await chat.send_user("Tell me about the sea.", max_tokens=96, ignore_eos=True)
+        assert isinstance(await chat.receive(), Delta)
+        row = page.locator("#sequences tr", has_text=f"{session_tag(session.session_id)}/0")
+        await row.wait_for(timeout=10_000)
+        cells = await row.locator("td").all_inner_texts()
+        assert cells[1] == "running"
+        assert await row.locator(".strip i").count() >= int(cells[2]) // 16
+        await chat.cancel()
+        await chat.collect()
+    assert opened.errors == []
