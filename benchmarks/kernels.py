@@ -13,8 +13,9 @@ On a CUDA device:
      the host cost of plan() and attend(); a mixed prefill+decode batch and a prefill batch
      against the torch reference backend; the cache ops.
 With --sweep it then times a grid of launch configurations (tile, warps, pipeline stages,
-splits, mask skipping) on the decode batch of the issue's target, 64 x 4096, each next to
-SDPA, so one run on a borrowed GPU says which to make the default.
+splits, mask skipping, offset width, register cap, and a head-major cache layout) on the
+decode batch of the issue's target, 64 x 4096, and two others, each next to SDPA, so one run
+on a borrowed GPU says which to make the default.
 Without CUDA it says so and runs the correctness part at small sizes under the interpreter.
 
     PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep]
@@ -373,20 +374,23 @@ SWEEP_POINTS = (
 )
 
 
-def sweep_grid(point: SweepPoint) -> list[LaunchTuning]:
-    """What a sweep times. At the target point: tile x warps x stages x splits, with the
-    shortcuts on, and the default launch with each shortcut off; elsewhere only the split
-    count (the knob that depends most on the batch), with and without a register cap. About
-    55 compiles: ~2-3 min on an H200."""
+def sweep_grid(point: SweepPoint) -> list[tuple[LaunchTuning, str]]:
+    """What a sweep times: (launch tuning, cache layout) pairs. At the target point: tile x
+    warps x stages x splits, with the shortcuts on, and the default launch with each shortcut
+    off; elsewhere only the split count (the knob that depends most on the batch), with and
+    without a register cap. Then a few of them again over a head-major cache (`hnd`), where a
+    block's 16 tokens of one head are 4 KiB in a row instead of 256-byte pieces 2 KiB apart.
+    About 60 compiles: ~3 min on an H200."""
     from kernels.triton_attention import LaunchTuning
 
     if point != SWEEP_POINTS[0]:
         # With and without registers capped at the occupancy the split policy assumes.
         cap = 65536 // ((4 if point.shape.head_dim > 64 else 8) * 4 * 32)
-        return [
+        grid = [
             LaunchTuning(num_splits=splits, max_registers=regs)
             for splits, regs in itertools.product((1, 2, 4, 8), (None, cap))
         ]
+        return [(t, "nhd") for t in grid] + [(LaunchTuning(), "hnd")]
     # Triton 3.6 double-buffers K/V from 5 stages on (3 and 4 compile alike; kernel_code.py).
     axes = itertools.product((32, 64, 128), (4, 8), (2, 3, 5), (1, 2))
     grid = [
@@ -397,7 +401,13 @@ def sweep_grid(point: SweepPoint) -> list[LaunchTuning]:
         LaunchTuning(narrow_offsets=False),
         LaunchTuning(max_registers=128),
     ]
-    return [*grid, *ablations]
+    head_major = [
+        LaunchTuning(),
+        LaunchTuning(num_splits=2),
+        LaunchTuning(tile_n=128, num_warps=8),
+        LaunchTuning(num_stages=5),
+    ]
+    return [(t, "nhd") for t in [*grid, *ablations]] + [(t, "hnd") for t in head_major]
 
 
 def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None:
@@ -406,22 +416,24 @@ def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None
 
     gen = torch.Generator(device=device).manual_seed(5)
     for point in SWEEP_POINTS:
-        p = _decode_batch(point.batch, point.ctx, point.shape, device, gen)
-        k, v = _contiguous_kv(p, point.batch, point.ctx)
-        expected = _sdpa_decode(p.query, k, v)
-        sdpa_ms = gpu_ms(functools.partial(_sdpa_decode, p.query, k, v), device)
-        default = TritonBackend().plan(p.meta)
+        nhd = _decode_batch(point.batch, point.ctx, point.shape, device, gen)
+        batches = {"nhd": nhd, "hnd": head_major(nhd)}
+        k, v = _contiguous_kv(nhd, point.batch, point.ctx)
+        expected = _sdpa_decode(nhd.query, k, v)
+        sdpa_ms = gpu_ms(functools.partial(_sdpa_decode, nhd.query, k, v), device)
+        default = TritonBackend().plan(nhd.meta)
         picked, _ = default.launch_for(
             point.shape.q_heads, point.shape.kv_heads, point.shape.head_dim, point.shape.dtype
         )
         timed: list[tuple[float, list[str]]] = []
-        for tuning in sweep_grid(point):
+        for tuning, layout in sweep_grid(point):
+            p = batches[layout]
             backend = TritonBackend(tuning=tuning)
             plan = backend.plan(p.meta)
             launch, _ = plan.launch_for(
                 point.shape.q_heads, point.shape.kv_heads, point.shape.head_dim, point.shape.dtype
             )
-            knobs = [str(launch.tile_n), str(launch.num_warps), str(launch.num_stages),
+            knobs = [layout, str(launch.tile_n), str(launch.num_warps), str(launch.num_stages),
                      str(launch.num_splits), "yes" if launch.skip_masks else "no",
                      "yes" if launch.narrow_offsets else "no",
                      str(launch.max_registers or "-")]  # fmt: skip
@@ -432,8 +444,8 @@ def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None
                 failed = f"did not run: {type(exc).__name__}"
                 timed.append((math.inf, [*knobs, failed, "", "", ""]))
                 continue
-            check = report.check(f"sweep {point} {tuning}", err, 2e-2)
-            is_default = launch == picked
+            check = report.check(f"sweep {point} {layout} {tuning}", err, 2e-2)
+            is_default = launch == picked and layout == "nhd"
             bw = p.kv_bytes / ms / 1e6
             timed.append(
                 (ms, [*knobs, f"{1000 * ms:.1f}" + (" (default)" if is_default else ""),
@@ -444,11 +456,19 @@ def sweep_launches(report: Report, device: torch.device, copy_bw: float) -> None
             f"### Launch sweep: decode {point.batch} x {point.ctx}, {point.shape.name} "
             f"{str(point.shape.dtype)[6:]}; SDPA {1000 * sdpa_ms:.1f} µs"
         )
-        header = ["tile", "warps", "stages", "splits", "skip masks", "int32 offsets", "max regs",
-                  "GPU µs", "of copy BW", "SDPA / triton", "rel err vs SDPA"]  # fmt: skip
+        header = ["layout", "tile", "warps", "stages", "splits", "skip masks", "int32 offsets",
+                  "max regs", "GPU µs", "of copy BW", "SDPA / triton",
+                  "rel err vs SDPA"]  # fmt: skip
         report.table(header, [row for _, row in timed])
-        del p, k, v, expected
+        del nhd, batches, p, k, v, expected
         torch.cuda.empty_cache()
+
+
+def head_major(p: Paged) -> Paged:
+    """The same batch over a head-major cache: memory [.., N, Hkv, bs, D], viewed as the
+    [.., N, bs, Hkv, D] the kernels take (they address it through its strides)."""
+    pool = p.pool.transpose(3, 4).contiguous().transpose(3, 4)
+    return Paged(meta=p.meta, pool=pool, query=p.query)
 
 
 def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:

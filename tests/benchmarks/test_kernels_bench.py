@@ -43,6 +43,7 @@ def test_sweep_times_the_launch_picked_today(point: SweepPoint) -> None:
         num_q_heads=point.shape.q_heads, num_kv_heads=point.shape.kv_heads,
         head_dim=point.shape.head_dim, dtype=point.shape.dtype, num_sms=132,
     )  # fmt: skip
-    tuned = [tuning.apply(picked) for tuning in sweep_grid(point)]
-    assert picked in tuned
+    tuned = [(tuning.apply(picked), layout) for tuning, layout in sweep_grid(point)]
+    assert (picked, "nhd") in tuned
+    assert (picked, "hnd") in tuned
     assert len(set(tuned)) == len(tuned)  # no configuration is timed twice

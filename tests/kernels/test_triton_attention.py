@@ -7,6 +7,7 @@ block id shows, and compares with the reference computed in float64 on the same 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -248,6 +249,21 @@ def test_launch_tuning_overrides_only_what_it_names() -> None:
     assert (tuned.tile_n, tuned.num_splits, tuned.num_warps) == (
         picked.tile_n, picked.num_splits, picked.num_warps,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_major_cache_reads_the_same_as_a_token_major_one(dtype: torch.dtype) -> None:
+    """The kernel addresses the cache through its strides, so a pool laid out [N, Hkv, bs, D]
+    (viewed as [N, bs, Hkv, D]) works as is; benchmarks/kernels.py --sweep times both."""
+    batch = make_batch(
+        BATCHES["long"], q_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=11
+    )
+    head_major = dataclasses.replace(
+        batch, pool=batch.pool.transpose(3, 4).contiguous().transpose(3, 4)
+    )
+    assert head_major.key_cache.stride() == (2 * 16 * 64, 64, 16 * 64, 1)
+    out = poisoned_attend(TritonBackend(), head_major, 0.125)
+    assert rel_err(out, reference_attention(batch, 0.125)) <= TOL[dtype]
 
 
 def test_int32_offsets_only_where_every_offset_fits() -> None:
