@@ -139,7 +139,10 @@ class Metrics:
             "pagechat_turns", "Finished answers, by finish reason.", ["finish_reason"], registry=r
         )
         self.errors = Counter(
-            "pagechat_errors", "Error frames sent, by code.", ["code"], registry=r
+            "pagechat_errors",
+            "Errors sent (frames and HTTP bodies), by code.",
+            ["code"],
+            registry=r,
         )
         self.sessions_opened = Counter(
             "pagechat_sessions_opened", "Sessions created or resumed.", ["how"], registry=r

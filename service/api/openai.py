@@ -130,17 +130,18 @@ class ChatCompletions:
         return Response(_json.encode(body), media_type="application/json")
 
     async def create(self, request: Request) -> Response:
+        received = time.monotonic()
         try:
             req = await self._parse(request)
             prompt = self._prompt(req)
             params = self._params(req, len(prompt))
         except OpenAIError as exc:
-            return exc.response()
+            return self._error(exc)
         key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
         refused = self.service.begin_turn(key)
         if refused is not None:
-            return _refusal(refused).response()
-        completion = _Completion(self.service, req, prompt, params, key)
+            return self._error(_refusal(refused))
+        completion = _Completion(self.service, req, prompt, params, key, received)
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
@@ -157,6 +158,10 @@ class ChatCompletions:
         if answer.cancelled():
             return Response(status_code=499)  # nobody is there to read it
         return answer.result()
+
+    def _error(self, exc: OpenAIError) -> Response:
+        self.service.metrics.errors.labels(exc.code).inc()
+        return exc.response()
 
     async def _parse(self, request: Request) -> ChatCompletionRequest:
         limits = self.service.config.limits
@@ -279,6 +284,7 @@ class _Completion:
         prompt: list[int],
         params: SamplingParams,
         key: str,
+        received: float,  # time.monotonic() when the request arrived
     ) -> None:
         self.service, self.req, self.prompt, self.params, self.key = (
             service,
@@ -287,6 +293,9 @@ class _Completion:
             params,
             key,
         )
+        self.received = received
+        self._last_token_at: float | None = None
+        self._reasons: list[str] = []
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = service.model_id
@@ -295,9 +304,18 @@ class _Completion:
         self._closed = False
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.service.end_turn(self.key)
+        """Release the in-flight slot and count the answer (once, however it ended)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.service.end_turn(self.key)
+        metrics = self.service.metrics
+        metrics.e2e_latency.observe(time.monotonic() - self.received)
+        finished = len(self._reasons)
+        for reason in self._reasons:
+            metrics.turns.labels(reason).inc()
+        if finished < self.params.n:  # the client left, or the engine failed, first
+            metrics.turns.labels("disconnected").inc(self.params.n - finished)
 
     def _outputs(self) -> AsyncIterator[RequestOutput]:
         return self.service.engine.generate(self.prompt, self.params, request_id=f"{self.key}/0")
@@ -364,6 +382,18 @@ class _Completion:
     def _count(self, out: RequestOutput) -> None:
         self.last = out
         self.completion_tokens += len(out.new_token_ids)
+        if out.finished:
+            self._reasons.append(_finish(out.finish_reason))
+        if not out.new_token_ids:
+            return
+        metrics, now = self.service.metrics, time.monotonic()
+        if self._last_token_at is None:
+            metrics.time_to_first_token.observe(now - self.received)
+            if out.first_scheduled_time is not None:
+                metrics.queue_time.observe(max(0.0, out.first_scheduled_time - self.received))
+        else:
+            metrics.inter_token_latency.observe(now - self._last_token_at)
+        self._last_token_at = now
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {
