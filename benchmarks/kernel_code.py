@@ -41,7 +41,7 @@ import torch
 import triton
 
 from kernels import triton_attention
-from kernels.triton_attention import LaunchTuning, choose_launch, split_scratch
+from kernels.attention_launch import LaunchTuning, choose_launch, split_scratch
 
 # The H200 the issue targets: sm_90, 132 SMs.
 SM90 = (90, 132)

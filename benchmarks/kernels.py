@@ -44,8 +44,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 if TYPE_CHECKING:
+    from kernels.attention_launch import LaunchTuning
     from kernels.metadata import AttentionMetadata
-    from kernels.triton_attention import LaunchTuning
     from kernels.triton_backend import TritonBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -381,7 +381,7 @@ def sweep_grid(point: SweepPoint) -> list[tuple[LaunchTuning, str]]:
     without a register cap. Then a few of them again over a head-major cache (`hnd`), where a
     block's 16 tokens of one head are 4 KiB in a row instead of 256-byte pieces 2 KiB apart.
     About 60 compiles: ~3 min on an H200."""
-    from kernels.triton_attention import LaunchTuning
+    from kernels.attention_launch import LaunchTuning
 
     if point != SWEEP_POINTS[0]:
         # With and without registers capped at the occupancy the split policy assumes.

@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import reference, triton_cache_ops
+from kernels.attention_launch import AttentionLaunch, LaunchTuning, choose_launch, split_scratch
 from kernels.metadata import AttentionMetadata
-from kernels.triton_attention import (
-    AttentionLaunch,
-    LaunchTuning,
-    choose_launch,
-    launch_paged_attention,
-    split_scratch,
-)
+from kernels.triton_attention import launch_paged_attention
 from kernels.triton_cache_ops import CACHE_DTYPES, check_cache, kernels_run_on
 
 Scratch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.kernels import SWEEP_POINTS, SweepPoint, sweep_grid
-from kernels.triton_attention import choose_launch
+from kernels.attention_launch import choose_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 

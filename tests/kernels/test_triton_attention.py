@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kernels import reference, triton_cache_ops
+from kernels.attention_launch import LaunchTuning, choose_launch, offsets_fit_int32
 from kernels.metadata import AttentionMetadata
-from kernels.triton_attention import LaunchTuning, choose_launch, offsets_fit_int32
 from kernels.triton_backend import TritonBackend
 
 pytestmark = pytest.mark.interpreter
