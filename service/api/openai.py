@@ -17,15 +17,23 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from service.api.frames import ErrorCode, FrameError
+from service.api.openai_request import (
+    ChatCompletionRequest,
+    OpenAIError,
+    decode_request,
+    invalid,
+    render_prompt,
+    sampling_params,
+)
+from service.api.sse import EventStream, until_disconnected
 from service.engine.async_engine import EngineDeadError
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
@@ -34,76 +42,10 @@ from service.engine.sequence import FinishReason
 if TYPE_CHECKING:
     from service.api.service import ChatService
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # What an admission refusal of ChatService.begin_turn becomes here.
 STATUS_OF = {ErrorCode.SHUTTING_DOWN: 503, ErrorCode.OVERLOADED: 429}
 
 _json = msgspec.json.Encoder()
-
-
-# ---------------------------------------------------------------------- request
-
-
-class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: str
-    text: str = ""
-
-
-class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-
-class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The subset of OpenAI's request this server honours; any other field is refused."""
-
-    messages: list[ChatMessageIn]
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None  # accepted, unused
-    # Accepted only at their neutral values, so a client that sends the defaults still works.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
-
-
-class OpenAIError(Exception):
-    def __init__(
-        self, status: int, message: str, code: str, param: str | None = None, kind: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> Response:
-        return Response(_json.encode(self.body()), self.status, media_type="application/json")
-
-
-def _invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
-    return OpenAIError(400, message, code, param)
 
 
 # ---------------------------------------------------------------------- the endpoint
@@ -131,10 +73,12 @@ class ChatCompletions:
 
     async def create(self, request: Request) -> Response:
         received = time.monotonic()
+        engine = self.service.engine.engine
+        limits = self.service.config.limits
         try:
-            req = await self._parse(request)
-            prompt = self._prompt(req)
-            params = self._params(req, len(prompt))
+            req = decode_request(await _body(request, limits.ws_max_size), self.service.model_id)
+            prompt = render_prompt(req, engine.tokenizer, limits, engine.max_model_len)
+            params = sampling_params(req, limits)
         except OpenAIError as exc:
             return self._error(exc)
         key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
@@ -145,7 +89,7 @@ class ChatCompletions:
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
-        gone = asyncio.create_task(_until_disconnected(request.receive))
+        gone = asyncio.create_task(until_disconnected(request.receive))
         try:
             await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -163,103 +107,14 @@ class ChatCompletions:
         self.service.metrics.errors.labels(exc.code).inc()
         return exc.response()
 
-    async def _parse(self, request: Request) -> ChatCompletionRequest:
-        limits = self.service.config.limits
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limits.ws_max_size:
-                raise OpenAIError(
-                    413, f"the body exceeds {limits.ws_max_size} bytes", "request_too_large"
-                )
-        try:
-            req = msgspec.json.decode(body, type=ChatCompletionRequest)
-        except msgspec.DecodeError as exc:
-            raise _invalid(
-                f"not a valid chat completion request: {exc}", code="bad_request"
-            ) from None
-        if req.model is not None and req.model != self.service.model_id:
-            raise OpenAIError(
-                404,
-                f"the model {req.model!r} does not exist here; this server serves "
-                f"{self.service.model_id!r} (GET /v1/models)",
-                "model_not_found",
-                "model",
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) != 0.0:
-                raise _invalid(f"{name} is not supported (only 0)", name, "unsupported_value")
-        if req.logprobs:
-            raise _invalid("logprobs are not supported here", "logprobs", "unsupported_value")
-        return req
 
-    def _prompt(self, req: ChatCompletionRequest) -> list[int]:
-        limits = self.service.config.limits
-        if not req.messages:
-            raise _invalid("messages must hold at least one message", "messages")
-        rendered = []
-        for i, message in enumerate(req.messages):
-            param = f"messages[{i}]"
-            role = ROLES.get(message.role)
-            if role is None:
-                raise _invalid(
-                    f"{param}.role {message.role!r} is not one of {sorted(ROLES)}", param
-                )
-            content = _text(message.content, param)
-            cap = limits.max_system_chars if role == "system" else limits.max_message_chars
-            if len(content) > cap:
-                raise _invalid(f"{param}.content has {len(content)} characters; at most {cap}")
-            rendered.append({"role": role, "content": content})
-        if rendered[-1]["role"] != "user":
-            raise _invalid("the last message must be the user's", "messages")
-        prompt = self.service.engine.engine.tokenizer.apply_chat_template(rendered)
-        max_len = self.service.engine.engine.max_model_len
-        if len(prompt) >= max_len:
-            raise _invalid(
-                f"the messages take {len(prompt)} tokens; the model's context holds {max_len} "
-                "including the answer",
-                "messages",
-                "context_length_exceeded",
-            )
-        return prompt
-
-    def _params(self, req: ChatCompletionRequest, prompt_tokens: int) -> SamplingParams:
-        limits = self.service.config.limits
-        max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
-        if max_tokens > limits.max_tokens:
-            raise _invalid(
-                f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}", "max_tokens"
-            )
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > 4:
-            raise _invalid("stop takes at most 4 strings", "stop")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                n=req.n,
-                seed=req.seed,
-                stop=tuple(stop),
-            )
-        except ValueError as exc:
-            raise _invalid(str(exc)) from None
-
-
-async def _until_disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def _text(content: str | list[TextPart] | None, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    for part in content:
-        if part.type != "text":
-            raise _invalid(f"{param}: only text content parts are supported", param)
-    return "".join(part.text for part in content)
+async def _body(request: Request, limit: int) -> bytes:
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise OpenAIError(413, f"the body exceeds {limit} bytes", "request_too_large")
+    return body
 
 
 def _refusal(error: FrameError) -> OpenAIError:
@@ -413,56 +268,5 @@ def _event(data: dict[str, Any]) -> bytes:
 
 def _failure(exc: Exception) -> OpenAIError:
     if isinstance(exc, RequestError):  # the engine refused the prompt (its context)
-        return _invalid(str(exc), "messages", "context_length_exceeded")
+        return invalid(str(exc), "messages", "context_length_exceeded")
     return OpenAIError(503, str(exc), "engine_unavailable")
-
-
-# ---------------------------------------------------------------------- streaming response
-
-
-class EventStream(Response):
-    """A text/event-stream that stops generating the moment its client goes away.
-
-    Starlette's StreamingResponse leaves its iterator suspended when the client disconnects
-    (closed only when collected), which would keep the engine request running. Here the
-    pump is cancelled on `http.disconnect`, and the iterator is closed in every case, which
-    aborts the engine request before its next step.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        self.events = events
-        self.on_close = on_close
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            async with contextlib.aclosing(self.events) as events:  # type: ignore[type-var]
-                await send(
-                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-                )
-                async for data in events:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            streaming.cancel()
-
-        streaming = asyncio.create_task(pump())
-        watcher = asyncio.create_task(watch())
-        try:
-            await asyncio.wait([streaming])
-        finally:
-            watcher.cancel()
-            if not streaming.done():  # we were cancelled ourselves
-                streaming.cancel()
-            self.on_close()
-        if not streaming.cancelled() and streaming.exception() is not None:
-            exc = streaming.exception()
-            if not isinstance(exc, OSError):  # a client gone mid-send is no error of ours
-                raise exc  # type: ignore[misc]
