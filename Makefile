@@ -2,10 +2,14 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run chat test lint typecheck unit bench-engine generate loadtest bench
+.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench
 
 setup:
 	@scripts/setup-env.sh
+
+# The venv, plus the Debian packages some tests drive (nginx, chromium).
+setup-test:
+	@scripts/setup-env.sh --test-packages
 
 # The chat service on http://127.0.0.1:8000 (bundled model, embedded Redis under ./data).
 run: setup
@@ -24,7 +28,7 @@ lint: setup
 typecheck: setup
 	$(PY) -m mypy
 
-unit: setup
+unit: setup-test
 	$(PY) -m pytest
 
 # Lint, types, then the whole suite. pytest's exit code 5 (no tests collected) fails too.

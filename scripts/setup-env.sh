@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds .venv with everything pagechat needs, from PyPI and this machine's local torch wheel.
 # Re-running is a quick no-op: a stamp records the hash of the files that define the env.
+# --test-packages also installs the Debian packages some tests drive (make test passes it;
+# the service itself needs none of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+test_packages=${1:-}
 
 # Debian packages some tests need, installed once if missing (as root, where apt-get exists);
 # without them those tests are skipped, with a line saying so.
@@ -19,8 +22,10 @@ apt_install_missing() {  # command, package, the tests that need it
         echo "$package is missing: $tests will be skipped (apt-get install $package)" >&2
     fi
 }
-apt_install_missing nginx nginx "the scale-out test"  # fronts the replicas in tests/scaleout
-apt_install_missing chromium chromium "the browser tests"  # tests/api/test_web.py, via Playwright
+if [ "$test_packages" = --test-packages ]; then
+    apt_install_missing nginx nginx "the scale-out test"  # fronts the replicas in tests/scaleout
+    apt_install_missing chromium chromium "the browser tests"  # tests/api/test_web.py, Playwright
+fi
 
 py=${PYTHON:-python3}
 stamp=.venv/.pagechat-setup
