@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtest.run --url ws://127.0.0.1:8000 --users 16 --run-time 2m
     .venv/bin/locust -f loadtest/locustfile.py --host ws://127.0.0.1:8000   # the web UI
 
-Four scenarios, one user class each, each class's task tagged with its scenario name (pick
+Five scenarios, one user class each, each class's task tagged with its scenario name (pick
 them with `--tags returning oneshot` or by class name on the command line):
 
 - `multiturn` (MultiTurnUser): a new conversation of `--turns` messages with think time;
@@ -11,7 +11,9 @@ them with `--tags returning oneshot` or by class name on the command line):
   their first turns share prefix-cache pages;
 - `returning` (ReturningUser): a user who disconnects after each turn and comes back after
   `--away-time` with its session id and secret (`?session=ID` in the URL, for the proxy);
-- `oneshot` (OneShotUser): a flood of short one-turn questions.
+- `oneshot` (OneShotUser): a flood of short one-turn questions;
+- `openai` (OpenAIUser): conversations over the OpenAI-compatible HTTP endpoint, streamed,
+  each turn resending the history (which the prefix cache still serves).
 
 What each entry in Locust's statistics means (type, name):
 
@@ -38,6 +40,7 @@ import websocket
 from locust import User, between, events, tag, task
 from locust.env import Environment
 
+from loadtest.httpclient import CompletionError, stream_completion
 from loadtest.wsclient import ChatSocket, ServerError, TurnResult, chat_url
 from service.api.frames import Sampling
 
@@ -126,7 +129,13 @@ def _away(user: User) -> float:
     return random.uniform(0.5 * mean, 1.5 * mean)
 
 
-_NETWORK_ERRORS = (ServerError, websocket.WebSocketException, OSError, AssertionError)
+_NETWORK_ERRORS = (
+    ServerError,
+    CompletionError,
+    websocket.WebSocketException,
+    OSError,
+    AssertionError,
+)
 
 
 class ChatUser(User):
@@ -212,21 +221,33 @@ class ChatUser(User):
         done = result.done
         assert done is not None
         self._record("turn", self.scenario, _ms_since(start), done.usage.completion_tokens)
+        self._timings(result)
+        usage = done.usage
+        self._shares(
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.swapped_in_tokens,
+            usage.recomputed_tokens,
+        )
+        return result
+
+    def _timings(self, result: TurnResult) -> None:
         if (ttft := result.ttft_s) is not None:
             for name in (self.scenario, "all"):
                 self._record("ttft", name, ttft * 1000.0)
         for gap in result.inter_token_s:
             for name in (self.scenario, "all"):
                 self._record("itl", name, gap * 1000.0)
-        usage = done.usage
-        if usage.prompt_tokens > 0:
+
+    def _shares(self, prompt: int, cached: int, swapped: int, recomputed: int) -> None:
+        """Where the prompt's tokens came from (the OpenAI usage folds swapped into cached)."""
+        if prompt > 0:
             for name, tokens in (
-                ("cached %", usage.cached_tokens),
-                ("swapped %", usage.swapped_in_tokens),
-                ("recomputed %", usage.recomputed_tokens),
+                ("cached %", cached),
+                ("swapped %", swapped),
+                ("recomputed %", recomputed),
             ):
-                self._record("share", name, 100.0 * tokens / usage.prompt_tokens, tokens)
-        return result
+                self._record("share", name, 100.0 * tokens / prompt, tokens)
 
 
 def _ms_since(start: float) -> float:
@@ -308,3 +329,39 @@ class OneShotUser(ChatUser):
             self._ask(sock, random.choice(SHORT_QUESTIONS), max_tokens)
         finally:
             sock.close()
+
+
+class OpenAIUser(ChatUser):
+    """Conversations over POST /v1/chat/completions (streamed), resending the history."""
+
+    scenario = "openai"
+
+    @tag("openai")
+    @task
+    def conversation(self) -> None:
+        messages: list[dict[str, str]] = []
+        for turn in range(int(_option(self.environment, "turns"))):
+            if turn:
+                self.wait()
+            messages.append({"role": "user", "content": random.choice(QUESTIONS)})
+            params = {
+                "max_tokens": int(_option(self.environment, "max_tokens")),
+                "temperature": 0.7,
+            }
+            start = time.perf_counter()
+            try:
+                answer = stream_completion(
+                    self.host or "http://127.0.0.1:8000",
+                    messages,
+                    params,
+                    float(_option(self.environment, "ws_timeout")),
+                )
+            except _NETWORK_ERRORS as exc:
+                self._record("turn", self.scenario, _ms_since(start), exc=exc)
+                return
+            usage = answer.usage
+            self._record("turn", self.scenario, _ms_since(start), usage["completion_tokens"])
+            self._timings(answer.turn)
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            self._shares(usage["prompt_tokens"], cached, 0, usage["prompt_tokens"] - cached)
+            messages.append({"role": "assistant", "content": answer.turn.text})
