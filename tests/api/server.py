@@ -8,6 +8,7 @@ process restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,23 @@ async def wait_balanced(server: ServerProcess, timeout: float = 10.0) -> dict[st
         if time.monotonic() > deadline:
             raise AssertionError(f"the server is not idle and balanced: {stats}")
         await asyncio.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running_server(directory: Path, *args: str) -> Iterator[ServerProcess]:
+    """A server on the Redis at 127.0.0.1:6379 under a fresh key prefix, stopped (and its
+    keys deleted) at the end; a stop that is not clean (exit code != 0: pools not balanced
+    at shutdown) fails."""
+    prefix = unique_prefix()
+    server = start_server(
+        directory / "server.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix, *args
+    )
+    try:
+        yield server
+    finally:
+        code = server.stop()
+        delete_prefix(prefix)
+    assert code == 0, f"unclean exit {code}:\n{server.log()}"
 
 
 def unique_prefix() -> str:

@@ -11,14 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.api.server import (
-    REDIS_URL,
-    ServerProcess,
-    delete_prefix,
-    start_server,
-    unique_prefix,
-    wait_balanced,
-)
+from tests.api.server import ServerProcess, running_server, wait_balanced
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
 
@@ -29,20 +22,15 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    prefix = unique_prefix()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(
-        log,
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--dtype", "float32"),
+    with running_server(
+        tmp_path_factory.mktemp("server"),
+        *("--dtype", "float32"),
         *("--num-device-blocks", "64", "--num-cpu-blocks", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens-limit", "128"),
         *("--default-max-tokens", "64"),
         *("--max-inflight-turns", "1", "--ws-max-size", str(BODY_LIMIT)),
-    )
-    yield server
-    code = server.stop()
-    delete_prefix(prefix)
-    assert code == 0, f"unclean exit {code}:\n{server.log()}"
+    ) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

@@ -18,14 +18,7 @@ import pytest
 from clients.chat_client import ChatClient
 from service.api.frames import Delta
 from service.api.pagemap import session_tag
-from tests.api.server import (
-    REDIS_URL,
-    ServerProcess,
-    delete_prefix,
-    start_server,
-    unique_prefix,
-    wait_balanced,
-)
+from tests.api.server import ServerProcess, running_server, wait_balanced
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
@@ -35,18 +28,13 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    prefix = unique_prefix()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(
-        log,
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--dtype", "float32"),
+    with running_server(
+        tmp_path_factory.mktemp("server"),
+        *("--dtype", "float32"),
         *("--num-device-blocks", str(DEVICE_BLOCKS), "--num-cpu-blocks", str(CPU_BLOCKS)),
         *("--max-model-len", "512"),
-    )
-    yield server
-    code = server.stop()
-    delete_prefix(prefix)
-    assert code == 0, f"unclean exit {code}:\n{server.log()}"
+    ) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)
