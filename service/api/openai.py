@@ -141,21 +141,20 @@ class _Completion:
         key: str,
         received: float,  # time.monotonic() when the request arrived
     ) -> None:
-        self.service, self.req, self.prompt, self.params, self.key = (
-            service,
-            req,
-            prompt,
-            params,
-            key,
-        )
+        self.service = service
+        self.req = req
+        self.prompt = prompt
+        self.params = params
+        self.key = key  # its slot among the server's in-flight answers
         self.received = received
-        self._last_token_at: float | None = None
-        self._reasons: list[str] = []
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = service.model_id
+        # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0
+        self._last_token_at: float | None = None
+        self._reasons: list[str] = []  # finish reason of each sample that finished
         self._closed = False
 
     def close(self) -> None:
