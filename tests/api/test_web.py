@@ -142,6 +142,7 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
     await page.fill("#system", "You are a helpful assistant. Answer briefly.")
     await page.click("#start")
     await page.wait_for_selector("#input:not([disabled])")
+    assert await page.is_hidden("#system-row")  # a session is open: no system prompt to set
     await page.fill("#input", "What is the capital of France?")
     await page.keyboard.press("Enter")
     usage = await page.wait_for_selector(".usage", timeout=120_000)
@@ -156,6 +157,7 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
 
     await page.reload()
     await page.wait_for_function("document.querySelector('#meta').textContent.includes('resumed')")
+    assert await page.is_hidden("#system-row")
     messages = await page.locator(".msg").all_inner_texts()
     assert messages == ["What is the capital of France?", answer]
     await page.fill("#input", "And of Germany?")
