@@ -5,8 +5,9 @@ On a CUDA device:
      lengths, shuffled block tables) against `kernels.reference` computed in float64, and the
      cache ops (write_kv, copy_blocks, swap out and in) bit for bit, on fresh random inputs;
   2. timings: decode over batch x context for a large GQA shape and the default SmolLM2
-     shape, as device time (CUDA graph replay after an L2 flush, so neither a warm L2 nor
-     the host's launch cost flatters or hides anything) and achieved K/V read bandwidth next
+     shape, as device time (CUDA graph replay of up to three input sets in turn, each after
+     an L2 flush, so neither a warm cache nor the host's launch cost flatters or hides
+     anything; the median of 25 replays) and achieved K/V read bandwidth next
      to the device's measured copy bandwidth, and next to torch SDPA over contiguous K/V
      (whose output is compared too); per-call time with `triton.testing.do_bench` (median,
      L2 flushed between runs), which includes the host's launch cost where that dominates;
@@ -322,13 +323,15 @@ def bench_decode(report: Report, device: torch.device, copy_bw: float, sizes: Si
     for shape in (LARGE, SMOL):
         rows = []
         for batch, ctx in itertools.product(sizes.batches, sizes.contexts):
-            p = _decode_batch(batch, ctx, shape, device, gen)
-            plan = backend.plan(p.meta)
-            k, v = _contiguous_kv(p, batch, ctx)
+            sets = []  # several input sets, each timed in turn: no cache sees one twice running
+            for _ in range(_input_sets(batch, ctx, shape, device)):
+                p = _decode_batch(batch, ctx, shape, device, gen)
+                sets.append((p, backend.plan(p.meta), *_contiguous_kv(p, batch, ctx)))
+            p, plan, k, v = sets[0]
             err = rel_err(attend(backend, p, plan), _sdpa_decode(p.query, k, v))
-            run_triton = functools.partial(attend, backend, p, plan)
-            run_sdpa = functools.partial(_sdpa_decode, p.query, k, v)
-            t_call, s_call = bench(run_triton), bench(run_sdpa)
+            run_triton = [functools.partial(attend, backend, p, pl) for p, pl, _, _ in sets]
+            run_sdpa = [functools.partial(_sdpa_decode, p.query, k, v) for p, _, k, v in sets]
+            t_call, s_call = bench(_rotating(run_triton)), bench(_rotating(run_sdpa))
             try:
                 t_gpu, s_gpu = gpu_ms(run_triton, device), gpu_ms(run_sdpa, device)
             except Exception as exc:  # graph capture refused: keep the per-call times
@@ -338,26 +341,42 @@ def bench_decode(report: Report, device: torch.device, copy_bw: float, sizes: Si
             bw = p.kv_bytes / t_gpu / 1e6
             check = report.check(f"decode {shape.name} {batch}x{ctx}", err, 2e-2)
             rows.append(
-                [str(batch), str(ctx), str(launch.num_splits), f"{1000 * t_gpu:.1f}",
-                 f"{bw:.0f}", f"{100 * bw / copy_bw:.0f}%", f"{1000 * s_gpu:.1f}",
-                 f"{s_gpu / t_gpu:.2f}", f"{1000 * t_call:.1f}", f"{1000 * s_call:.1f}", check]
+                [str(batch), str(ctx), str(launch.num_splits), str(len(sets)),
+                 f"{1000 * t_gpu:.1f}", f"{bw:.0f}", f"{100 * bw / copy_bw:.0f}%",
+                 f"{1000 * s_gpu:.1f}", f"{s_gpu / t_gpu:.2f}", f"{1000 * t_call:.1f}",
+                 f"{1000 * s_call:.1f}", check]
             )  # fmt: skip
             print(f"  decode {shape.name} batch {batch} ctx {ctx}: {rows[-1]}", flush=True)
-            del p, plan, k, v, run_triton, run_sdpa
+            del sets, p, plan, k, v, run_triton, run_sdpa
             torch.cuda.empty_cache()
         report.say(
             f"### Decode attention, one layer, {shape.name} {str(shape.dtype)[6:]}, block 16"
         )
         report.say(
-            "GPU µs: device time per call (CUDA graph replay after an L2 flush, flush time "
-            "subtracted); K/V GB/s from it. Per call µs: do_bench median, which includes the "
-            "host's launch cost when that exceeds the GPU time."
+            "GPU µs: device time per call (CUDA graph replay of every input set in turn, each "
+            "after an L2 flush, flush time subtracted); K/V GB/s from it. Per call µs: do_bench "
+            "median over the input sets in turn, which includes the host's launch cost when that "
+            "exceeds the GPU time."
         )
         report.say()
-        header = ["batch", "ctx", "splits", "triton GPU µs", "K/V GB/s", "of copy BW",
-                  "SDPA GPU µs", "SDPA / triton", "triton per call µs", "SDPA per call µs",
-                  "rel err vs SDPA"]  # fmt: skip
+        header = ["batch", "ctx", "splits", "input sets", "triton GPU µs", "K/V GB/s",
+                  "of copy BW", "SDPA GPU µs", "SDPA / triton", "triton per call µs",
+                  "SDPA per call µs", "rel err vs SDPA"]  # fmt: skip
         report.table(header, rows)
+
+
+def _input_sets(batch: int, ctx: int, shape: Shape, device: torch.device) -> int:
+    """Three input sets where they fit in 80% of free memory (paged K/V, their contiguous copy
+    for SDPA, and the copy's gather on the way), else fewer."""
+    kv = 2 * batch * ctx * shape.kv_heads * shape.head_dim * torch.finfo(shape.dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(3, int(0.8 * free) // (2 * kv + kv // 2)))
+
+
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs the next of `fns` at each call."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
 
 
 @dataclass(frozen=True)
@@ -471,19 +490,28 @@ def head_major(p: Paged) -> Paged:
     return Paged(meta=p.meta, pool=pool, query=p.query)
 
 
-def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:
-    """Device milliseconds of one call of `fn`, cold L2, without host overhead.
+def gpu_ms(
+    fn: Callable[[], object] | list[Callable[[], object]], device: torch.device, reps: int = 25
+) -> float:
+    """Device milliseconds of one call, cold L2, without host overhead.
 
-    Two CUDA graphs, [flush the L2, fn] and [flush the L2], each replayed `reps` times between
-    CUDA events; the difference of the medians is fn's time.
+    `fn` is one callable or one per input set. Two CUDA graphs, [flush the L2, fn] for each
+    set in turn and the flushes alone, each replayed `reps` times between CUDA events; the
+    difference of the medians over the number of sets is one call's time.
     """
+    fns = fn if isinstance(fn, list) else [fn]
     flush = torch.empty(2 * _l2(device), dtype=torch.uint8, device=device)
 
     def flushed() -> None:
-        flush.zero_()
-        fn()
+        for f in fns:
+            flush.zero_()
+            f()
 
-    return _graph_median_ms(flushed, reps) - _graph_median_ms(flush.zero_, reps)
+    def flushes() -> None:
+        for _ in fns:
+            flush.zero_()
+
+    return (_graph_median_ms(flushed, reps) - _graph_median_ms(flushes, reps)) / len(fns)
 
 
 def _graph_median_ms(fn: Callable[[], object], reps: int) -> float:
