@@ -3,9 +3,10 @@
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
 docs/perf.md and ../shared/FACTS.md):
 - dtype "auto" is bfloat16 on CUDA. On the CPU it is whichever of bfloat16 and float32 runs a
-  decode-sized matmul faster on this very CPU, timed once at start-up: CPUs with native bf16
-  (AVX512-BF16, AMX) decoded ~2x faster in bf16, while on an AVX2-only EPYC bf16 matmuls ran
-  ~7x slower than fp32 (docs/perf.md).
+  decode-sized slice of the model (a projection and the paged attention) faster on this very
+  CPU, timed once at start-up: on an AVX2-only EPYC bf16 matmuls ran ~7x slower than fp32; on
+  an EPYC with AVX512-BF16 matmuls ran 2x faster in bf16 but CPU attention 5x slower, and
+  fp32 decoded faster overall (docs/perf.md).
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -89,7 +90,13 @@ class EngineConfig:
 
 @functools.cache
 def fastest_cpu_dtype() -> torch.dtype:
-    """bfloat16 if this CPU multiplies decode-sized bf16 matrices clearly faster than fp32.
+    """bfloat16 if this CPU runs a decode-sized slice of the model clearly faster in bf16.
+
+    The slice is what a decode step is made of: a projection (32 x 576 by 576 x 1536) and the
+    attention of 32 sequences over 256 cached tokens (SDPA with a mask and GQA, as the torch
+    backend runs it). A matmul alone misleads: on an EPYC with AVX512-BF16 the projection ran
+    2x faster in bf16 but the attention 5x slower, and the engine decoded 25% slower in bf16
+    at batch 32 (docs/perf.md).
 
     Trials alternate between the dtypes and the best of each counts, so a neighbour's load
     on a shared machine does not decide the choice. With one torch thread (the engine's
@@ -97,15 +104,24 @@ def fastest_cpu_dtype() -> torch.dtype:
     inflate at all.
     """
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    x = torch.randn(32, 576)  # a batch-32 decode step of a small model
-    w = torch.randn(1536, 576)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 576, generator=gen)  # [B, hidden]
+    w = torch.randn(1536, 576, generator=gen)  # [intermediate, hidden]
+    q = torch.randn(32, 9, 1, 64, generator=gen)  # [B, Hq, 1, D]
+    kv = torch.randn(32, 3, 256, 64, generator=gen)  # [B, Hkv, C, D]
+    mask = torch.ones(32, 1, 1, 256, dtype=torch.bool)
+
+    def step(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
+        torch.nn.functional.linear(x, w)
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+
     best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    for _ in range(5):
+    for _ in range(3):
         for dtype in best:
-            xd, wd = x.to(dtype), w.to(dtype)
-            torch.nn.functional.linear(xd, wd)
+            args = tuple(t.to(dtype) for t in (x, w, q, kv))
+            step(*args)
             start = clock()
-            for _ in range(4):
-                torch.nn.functional.linear(xd, wd)
+            for _ in range(2):
+                step(*args)
             best[dtype] = min(best[dtype], clock() - start)
     return torch.bfloat16 if best[torch.bfloat16] < 0.8 * best[torch.float32] else torch.float32
