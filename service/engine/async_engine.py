@@ -16,7 +16,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from service.engine.blocks import Tier
@@ -177,12 +177,15 @@ class AsyncEngine:
             self._post(self._fail_all, exc)
             self._fail_snapshots(exc)
 
-    def _drain_commands(self) -> None:
+    def _pending_commands(self) -> Iterator[_Command]:
         while True:
             try:
-                command = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for command in self._pending_commands():
             if isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 continue
@@ -198,11 +201,7 @@ class AsyncEngine:
 
     def _fail_snapshots(self, exc: BaseException) -> None:
         """Page maps asked for after the last step would otherwise wait forever."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in self._pending_commands():
             if isinstance(command, _Snapshot):
                 dead = EngineDeadError(f"the engine failed: {exc!r}")
                 self._post(_fail, command.future, dead)

@@ -301,7 +301,7 @@ class LLMEngine:
 
     def page_map(self, max_sequences: int = 256) -> PageMap:
         """A snapshot of the KV pools for live views (read between steps, on this thread)."""
-        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        live = self._live_sequences()
         bm = self.block_manager
         return PageMap(
             block_size=bm.block_size,
@@ -323,12 +323,15 @@ class LLMEngine:
 
     def check_balanced(self) -> None:
         """Raise unless the KV pools' accounting holds for the sequences alive now."""
-        live = [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
+        live = self._live_sequences()
         self.block_manager.check_invariants(live)
         if not live:
             assert self.block_manager.is_idle_balanced(), "blocks leaked with no request alive"
 
     # ------------------------------------------------------------------ internals
+
+    def _live_sequences(self) -> list[Sequence]:
+        return [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
