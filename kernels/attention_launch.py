@@ -82,11 +82,9 @@ def choose_launch(
     head_dim: int,
     dtype: torch.dtype,
     num_sms: int,
-    split_kv: int | None = None,
     tuning: LaunchTuning | None = None,
 ) -> AttentionLaunch:
-    """Pick tiles and split-KV for a batch. `split_kv` forces the split count (a power of two);
-    `tuning` overrides any pick."""
+    """Pick tiles and split-KV for a batch; `tuning` overrides any pick."""
     group = num_q_heads // num_kv_heads
     fp32 = dtype == torch.float32
     one_token = max_query_len == 1
@@ -103,13 +101,8 @@ def choose_launch(
         num_q_blocks = num_tokens // block_q + num_seqs
     # fp32 tiles are twice the bytes: half the tokens keep shared memory per stage alike.
     tile_n = 32 if fp32 else 64
-    if split_kv is None:
-        per_sm = 8 if head_dim <= 64 else 4
-        num_splits = _split_count(num_q_blocks * num_kv_heads, max_seq_len, per_sm * num_sms)
-    else:
-        if split_kv < 1 or split_kv & (split_kv - 1):
-            raise ValueError(f"split_kv must be a power of two, got {split_kv}")
-        num_splits = split_kv
+    per_sm = 8 if head_dim <= 64 else 4
+    num_splits = _split_count(num_q_blocks * num_kv_heads, max_seq_len, per_sm * num_sms)
     launch = AttentionLaunch(
         group=group,
         block_m=block_m,

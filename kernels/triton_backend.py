@@ -14,6 +14,7 @@ would cost a device-to-host sync per step. There the block manager's invariants 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,6 @@ class TritonAttentionPlan:
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
     num_sms: int
-    split_kv: int | None
     tuning: LaunchTuning | None
     torch_plan: reference.TorchAttentionPlan | None  # set when falling back to the reference
     # (q heads, kv heads, head dim, dtype) -> launch and scratch; the layers of one model
@@ -59,7 +59,6 @@ class TritonAttentionPlan:
                 head_dim=head_dim,
                 dtype=dtype,
                 num_sms=self.num_sms,
-                split_kv=self.split_kv,
                 tuning=self.tuning,
             )
             scratch = split_scratch(
@@ -76,10 +75,10 @@ class TritonBackend:
 
     def __init__(self, split_kv: int | None = None, tuning: LaunchTuning | None = None) -> None:
         """split_kv: force this many context splits (a power of two); None picks per step.
-        tuning: override the launch picks (tile, warps, stages, masks), as sweeps do."""
-        if split_kv is not None and (split_kv < 1 or split_kv & (split_kv - 1)):
-            raise ValueError(f"split_kv must be a power of two, got {split_kv}")
-        self.split_kv = split_kv
+        tuning: override the launch picks (tile, warps, stages, masks), as sweeps do.
+        split_kv is shorthand for a tuning of num_splits, and wins over the tuning's."""
+        if split_kv is not None:
+            tuning = dataclasses.replace(tuning or LaunchTuning(), num_splits=split_kv)
         self.tuning = tuning
         self._num_sms: dict[torch.device, int] = {}
 
@@ -102,7 +101,6 @@ class TritonBackend:
             seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
             block_tables=meta.block_tables.to(torch.int32).contiguous(),
             num_sms=self._sm_count(device),
-            split_kv=self.split_kv,
             tuning=self.tuning,
             torch_plan=fallback,
         )
