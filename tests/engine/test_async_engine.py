@@ -121,13 +121,23 @@ async def test_page_map_is_taken_between_steps_and_refused_once_stopped(
     engine = AsyncEngine(make_engine(block_size=4))
     await engine.start()
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        # Far more tokens than the test reads, so the sequence is still running when the
+        # engine thread runs ahead of a slow consumer; leaving the stream aborts it.
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         async with contextlib.aclosing(engine.generate(prompt(6, 21), params, "pm")) as stream:
-            await anext(stream)
-            during = await engine.page_map()
-            (seq,) = during.sequences
-            assert (seq.request_id, seq.status) == ("pm", "running")
-            assert len(seq.blocks) == -(-seq.num_tokens // 4)
+            # Snapshots after several tokens land at every offset within a block.
+            seen_lengths = set()
+            for _ in range(6):
+                await anext(stream)
+                (seq,) = (await engine.page_map()).sequences
+                assert (seq.request_id, seq.status) == ("pm", "running")
+                # Between steps a decoding sequence's newest token has no K/V yet, and
+                # its slot is only taken when the next step is scheduled: the blocks
+                # hold exactly the computed tokens.
+                assert seq.num_computed_tokens == seq.num_tokens - 1
+                assert len(seq.blocks) == -(-seq.num_computed_tokens // 4)
+                seen_lengths.add(seq.num_tokens % 4)
+            assert len(seen_lengths) > 1
         # Leaving the stream queued its abort; the snapshot, queued after it, sees it done.
         assert (await engine.page_map()).num_sequences == 0
     finally:
