@@ -2,10 +2,11 @@
 
 A trace (`benchmarks/workload.py`) is replayed (`benchmarks/kv_replay.py`) through the real
 `Scheduler` and `BlockManager`; each step "computes" what the scheduler picked by advancing
-`num_computed_tokens`, commits full blocks, and appends the trace's own answer tokens, so the
-real admission, growth, prefix-cache, fork/copy-on-write and preemption logic is what is
-measured. Every turn is due at once (follow-ups as soon as their parent ends): a saturated
-server, where memory is what limits the batch. Allocators, all under one budget of KV slots:
+`num_computed_tokens` (full blocks are registered as they are scheduled) and appends the
+trace's own answer tokens, so the real admission, growth, prefix-cache, fork/copy-on-write and
+preemption logic is what is measured. Every turn is due at once (follow-ups as soon as their
+parent ends): a saturated server, where memory is what limits the batch. Allocators, all
+under one budget of KV slots:
 
     paged-{8,16,32}   blocks taken on demand, prefix caching on
     contiguous        max_model_len slots reserved per sequence at admission (block 16)

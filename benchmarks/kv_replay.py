@@ -1,11 +1,11 @@
 """A chat trace through the real Scheduler and BlockManager, without a model.
 
-Each step "computes" what the scheduler picked by advancing `num_computed_tokens`, commits
-full blocks, and appends the trace's own answer tokens (forking n > 1 samples after the
-prompt, as the engine does), so the real admission, growth, prefix-cache, fork/copy-on-write
-and preemption logic is what is measured. After every step the running sequences' device
-blocks are measured: slots reserved, slots holding a token, slots no token will ever fill,
-logical and physical blocks. Used by `benchmarks/kv_memory.py`.
+Each step "computes" what the scheduler picked by advancing `num_computed_tokens` (the
+scheduler registered the full blocks as it scheduled them) and appends the trace's own answer
+tokens (forking n > 1 samples after the prompt, as the engine does), so the real admission,
+growth, prefix-cache, fork/copy-on-write and preemption logic is what is measured. After every
+step the running sequences' device blocks are measured: slots reserved, slots holding a token,
+slots no token will ever fill, logical and physical blocks. Used by `benchmarks/kv_memory.py`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,6 @@ def replay(
         sampling = [c.seq for c in batch.chunks if c.samples]
         for chunk in batch.chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
-            bm.commit(chunk.seq)
         _measure(sched.running, bm.block_size, final_len, totals)
         if sched.waiting:
             totals.saturated_steps += 1
@@ -238,7 +237,7 @@ def _samples_of(
             children.append(child)
         else:
             child.num_computed_tokens = 0
-            child.num_committed_blocks = 0
+            child.num_registered_blocks = 0
             sched.add(child)
         entry.seqs.append(child)
     return [seq, *children]

@@ -13,7 +13,11 @@ NOTE (states of a block):
   free     no handle: the slot is on its tier's free list and its contents mean nothing.
 NOTE (what a hash covers): blake2b over (parent block's hash, the block's token ids, the
   namespace); the namespace names the model and, where tenants must not share, a cache salt.
-  Only full blocks are hashed, and only once their K/V have been computed (`commit`).
+  Only full blocks are hashed. A block is registered under its hash when the step that
+  fills it is scheduled (`allocate`, `append_slots`), before its K/V exist: the forward
+  writes each layer's K/V for the whole batch before any of that layer's attention reads, so
+  a prompt admitted later in the same step may share the block and read it in that forward.
+  Between steps, every registered block's K/V are computed.
 NOTE (eviction order): a device slot is taken from the free list first; failing that, the
   least recently released cached block is moved to the CPU pool (block by block, not the
   whole sequence) and its slot reused. The CPU pool takes its own free slots first, then drops
@@ -264,12 +268,13 @@ class BlockManager:
                 self._move_to_device(block)
         seq.block_table.extend(hit.blocks)
         seq.num_computed_tokens = hit.num_tokens
-        seq.num_committed_blocks = len(hit.blocks)
+        seq.num_registered_blocks = len(hit.blocks)
         if count_lookup:
             self._counters.prefix_queries += seq.num_tokens
             self._counters.prefix_hits += hit.num_device_tokens
             self._counters.prefix_cpu_hits += hit.num_cpu_tokens
         self._grow(seq, hit.num_tokens + num_new_tokens)
+        self._register_full_blocks(seq, hit.num_tokens + num_new_tokens)
 
     # ------------------------------------------------------------------ growth
 
@@ -283,24 +288,9 @@ class BlockManager:
             last = seq.block_table[seq.num_computed_tokens // self.block_size]
             if last.ref_count > 1:
                 self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
-        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
-
-    def commit(self, seq: Sequence) -> None:
-        """Register the content hashes of blocks that became full (K/V now computed)."""
-        num_full = seq.num_computed_tokens // self.block_size
-        self._extend_hashes(seq, num_full)
-        start, seq.num_committed_blocks = seq.num_committed_blocks, num_full
-        if not self.enable_prefix_caching:
-            return
-        for i in range(start, num_full):
-            block = seq.block_table[i]
-            if block.block_hash is not None:
-                continue
-            h = seq.block_hashes[i]
-            # A block computed twice (two prompts raced) keeps the first copy as the cached one.
-            if h not in self._by_hash:
-                block.block_hash = h
-                self._by_hash[h] = block
+        end = seq.num_computed_tokens + num_new_tokens
+        self._grow(seq, end)
+        self._register_full_blocks(seq, end)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares all of `parent`'s blocks (paged); contiguous mode copies them."""
@@ -329,7 +319,7 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self._release(block)
         seq.block_table.clear()
-        seq.num_committed_blocks = 0
+        seq.num_registered_blocks = 0
 
     # ------------------------------------------------------------------ preemption by swap
 
@@ -531,6 +521,28 @@ class BlockManager:
         block.tier = tier
         block.slot = slot
         self._pool(tier).held[slot] = block
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Put the blocks that `num_tokens` tokens fill under their content hashes.
+
+        Called as the step computing those tokens is scheduled (see the NOTE above).
+        """
+        num_full = num_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            return
+        self._extend_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = seq.block_table[i]
+            if block.block_hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            # Two prompts that computed the same block before either was registered (one
+            # admitted in an earlier step with the shared part still to come): the first
+            # copy stays the cached one and the other is freed, unhashed, when released.
+            if h not in self._by_hash:
+                block.block_hash = h
+                self._by_hash[h] = block
+        seq.num_registered_blocks = num_full
 
     def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
         bs = self.block_size

@@ -250,7 +250,6 @@ class LLMEngine:
                     chunk.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
             seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.commit(seq)
 
         outputs = []
         rows: list[SamplingRow] = []
@@ -357,7 +356,7 @@ class LLMEngine:
                 # the sample waits its turn and computes its prompt (a prefix-cache hit if
                 # the parent's blocks survive) like a request of its own.
                 child.num_computed_tokens = 0
-                child.num_committed_blocks = 0
+                child.num_registered_blocks = 0
                 self.scheduler.add(child)
             request.seqs.append(child)
             request.stop_checkers[i] = StopChecker(self.tokenizer, request.params)

@@ -50,9 +50,9 @@ class Sequence:
     # Tokens whose K/V are in the cache; the rest are computed by upcoming steps.
     num_computed_tokens: int = 0
     block_table: list[Block] = field(default_factory=list)
-    # Chain hash of every full block of token_ids[:num_computed_tokens], in order.
+    # Chain hash of every full block scheduled so far (the block manager extends it).
     block_hashes: list[int] = field(default_factory=list)
-    num_committed_blocks: int = 0  # leading blocks whose hashes the block manager has seen
+    num_registered_blocks: int = 0  # leading blocks whose hashes the block manager has seen
     # Where the prompt's tokens came from at (re)admission, for usage reports.
     num_cached_tokens: int = 0  # prefix-cache hits on the device
     num_swapped_in_tokens: int = 0  # prefix-cache hits brought back from the CPU pool
@@ -93,7 +93,7 @@ class Sequence:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
-            num_committed_blocks=self.num_committed_blocks,
+            num_registered_blocks=self.num_registered_blocks,
             num_cached_tokens=self.num_cached_tokens,
             num_swapped_in_tokens=self.num_swapped_in_tokens,
             generator=generator,

@@ -1,10 +1,11 @@
 """Tests for `service/engine/blocks.py`: one test per behaviour, then a stateful property test.
 
-Both drive the manager the way the engine does (find_prefix / can_allocate / allocate, write,
-commit; can_append / append_slots; fork; swap; free) against `KVStore`, a miniature of the
-runner's tensors: the "K/V" written at token position p is a pure function of the token ids up
-to and including p, and the ops drained after every call are applied in order. A block whose
-content is lost, stale, shared when it should not be, or moved out of order reads back wrong.
+Both drive the manager the way the engine does (find_prefix / can_allocate / allocate, then
+write; can_append / append_slots, then write; fork; swap; free) against `KVStore`, a miniature
+of the runner's tensors: the "K/V" written at token position p is a pure function of the token
+ids up to and including p, and the ops drained after every call are applied in order. A block
+whose content is lost, stale, shared when it should not be, or moved out of order reads back
+wrong.
 """
 
 from __future__ import annotations
@@ -101,8 +102,13 @@ class KVStore:
         for pos in range(start, stop):
             block = seq.block_table[pos // bs]
             assert block.tier is Tier.DEVICE, "wrote into a block that is not on the device"
-            assert block.ref_count == 1, "wrote into a shared block"
-            assert block.block_hash is None, "wrote into a block already content-addressed"
+            # A full block registered as it was scheduled may already have other holders,
+            # prompts admitted in the same step; they read what its hash names, which is
+            # what this write puts there. Any other shared block must be copied first.
+            registered = block.block_hash is not None and block.block_hash == (
+                seq.block_hashes[pos // bs] if pos // bs < len(seq.block_hashes) else None
+            )
+            assert block.ref_count == 1 or registered, "wrote into a shared block"
             self.slots[Tier.DEVICE][block.slot, pos % bs] = values[pos]
 
     def read(self, block: Block) -> list[int]:
@@ -125,23 +131,25 @@ class KVStore:
 # ---------------------------------------------------------------------- the engine, in brief
 
 
-def commit_computed(bm: BlockManager, kv: KVStore, seq: Sequence, n: int) -> None:
+def compute(kv: KVStore, seq: Sequence, n: int) -> None:
+    """The forward: write the K/V of the `n` tokens scheduled for `seq`."""
     kv.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
     seq.num_computed_tokens += n
-    bm.commit(seq)
-    assert not bm.take_ops(), "commit issues no block moves"
 
 
-def admit(bm: BlockManager, kv: KVStore, seq: Sequence, chunk: int) -> bool:
+def allocate_prompt(bm: BlockManager, seq: Sequence, chunk: int) -> int | None:
+    """Admission's half in the scheduler: look the prompt up and take its blocks.
+
+    Returns how many tokens the coming forward computes, or None if they do not fit.
+    """
     hit = bm.find_prefix(seq)
     assert hit.num_tokens < seq.num_tokens, "the last token is never a hit"
     n = min(seq.num_tokens - hit.num_tokens, chunk)
     if not bm.can_allocate(seq, hit, n):
-        return False
+        return None
     found_on_cpu = sum(b.tier is Tier.CPU for b in hit.blocks) * bm.block_size
     before = bm.stats()
     bm.allocate(seq, hit, n)
-    kv.run_ops()
     after = bm.stats()
     assert (hit.num_cpu_tokens, hit.num_device_tokens) == (
         found_on_cpu,
@@ -152,7 +160,16 @@ def admit(bm: BlockManager, kv: KVStore, seq: Sequence, chunk: int) -> bool:
     assert after.prefix_hits - before.prefix_hits == hit.num_tokens - found_on_cpu
     assert seq.block_table[: len(hit.blocks)] == list(hit.blocks)
     assert seq.num_computed_tokens == hit.num_tokens
-    commit_computed(bm, kv, seq, n)
+    return n
+
+
+def admit(bm: BlockManager, kv: KVStore, seq: Sequence, chunk: int) -> bool:
+    """A step that admits `seq` alone: allocate, run the ops, compute."""
+    n = allocate_prompt(bm, seq, chunk)
+    if n is None:
+        return False
+    kv.run_ops()
+    compute(kv, seq, n)
     return True
 
 
@@ -161,7 +178,7 @@ def extend(bm: BlockManager, kv: KVStore, seq: Sequence, n: int) -> bool:
         return False
     bm.append_slots(seq, n)
     kv.run_ops()
-    commit_computed(bm, kv, seq, n)
+    compute(kv, seq, n)
     return True
 
 
@@ -235,6 +252,43 @@ def test_a_released_prompts_full_blocks_are_a_prefix_hit_for_the_same_prompt() -
     assert not bm.take_ops()
     assert bm.stats().prefix_hits == 4
     kv.assert_computed_positions_intact(again)
+
+
+def test_a_prompt_admitted_in_the_same_step_shares_the_blocks_that_step_computes() -> None:
+    """Two users send the same system prompt at once: the second shares the first's full
+    blocks before their K/V exist, because the forward writes them before attention reads."""
+    bm, kv = manager(8, 0, 2)
+    first = make_seq([1, 2, 3, 4, 5, 6])
+    assert allocate_prompt(bm, first, chunk=6) == 6
+    second = make_seq([1, 2, 3, 4, 9])
+    hit = bm.find_prefix(second)
+    assert hit.blocks == tuple(first.block_table[:2])  # registered, not yet computed
+    assert allocate_prompt(bm, second, chunk=8) == 1
+    assert not kv.run_ops()
+    compute(kv, first, 6)  # the forward: every scheduled token's K/V
+    compute(kv, second, 1)
+    kv.assert_computed_positions_intact(first)
+    kv.assert_computed_positions_intact(second)
+    assert bm.stats().device.in_use == 3 + 1  # 3 blocks for the first, 1 of its own
+    assert bm.stats().prefix_hits == 4
+    bm.check_invariants([first, second])
+    bm.free(first)
+    bm.free(second)
+    assert bm.is_idle_balanced()
+
+
+def test_a_block_is_registered_when_the_step_that_fills_it_is_scheduled() -> None:
+    bm, _ = manager(8, 0, 4)
+    seq = make_seq([1, 2, 3, 4, 5, 6])
+    assert allocate_prompt(bm, seq, chunk=3) == 3  # a partial block: nothing to share yet
+    assert bm.tier_of(hash_blocks([1, 2, 3, 4], 4, NAMESPACE)[0]) is None
+    seq.num_computed_tokens += 3
+    bm.append_slots(seq, 3)  # fills block 0, starts block 1
+    assert bm.tier_of(hash_blocks([1, 2, 3, 4], 4, NAMESPACE)[0]) is Tier.DEVICE
+    assert seq.num_registered_blocks == 1
+    seq.num_computed_tokens += 3
+    bm.free(seq)
+    assert bm.is_idle_balanced()
 
 
 def test_the_last_prompt_token_is_never_a_prefix_hit() -> None:
@@ -314,7 +368,7 @@ def test_a_prefix_hit_on_a_cpu_block_swaps_it_back_in_bit_exact() -> None:
     ops = kv.run_ops()
     assert BlockOp(OpKind.SWAP_IN, 0, tail.slot) in ops
     assert tail.tier is Tier.DEVICE and again.block_table[1] is tail
-    commit_computed(bm, kv, again, 1)
+    compute(kv, again, 1)
     kv.assert_computed_positions_intact(again)
     stats = bm.stats()
     assert (stats.prefix_hits, stats.prefix_cpu_hits, stats.blocks_swapped_in) == (2, 2, 1)
@@ -438,7 +492,7 @@ def test_the_copy_is_issued_before_the_write_and_after_any_eviction_for_its_slot
     ops = kv.run_ops()
     assert [op.kind for op in ops] == [OpKind.SWAP_OUT, OpKind.COPY]
     assert ops[0].src == ops[1].dst  # the evicted block's slot receives the copy
-    commit_computed(bm, kv, parent, 1)
+    compute(kv, parent, 1)
     kv.assert_computed_positions_intact(parent)
     kv.assert_computed_positions_intact(child)
 
@@ -797,26 +851,34 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(
         indices=st.lists(INDEX, min_size=1, max_size=3),
         chunk=CHUNK,
-        tokens=st.lists(TOKENS, min_size=3, max_size=3),
+        tokens=st.lists(TOKENS, min_size=4, max_size=4),
+        admit_index=st.none() | INDEX,
     )
-    def step(self, indices: list[int], chunk: int, tokens: list[int]) -> None:
-        """One engine step over a few running sequences: room for all, the ops, then K/V."""
-        batch: list[tuple[Sequence, int]] = []
-        for seq in dict.fromkeys(pick(self.running, i) for i in indices):
-            if seq.num_uncomputed_tokens == 0:  # at max length
-                self._finish(seq)
-                continue
-            n = min(seq.num_uncomputed_tokens, chunk)
-            blocks_before = len(seq.block_table)
-            if self.bm.can_append(seq, n):
-                self.bm.append_slots(seq, n)
-                batch.append((seq, n))
-            if self.bm.mode is AllocationMode.CONTIGUOUS:
-                assert len(seq.block_table) == blocks_before, "contiguous mode never grows"
-        self.kv.run_ops()
-        for (seq, n), token in zip(batch, tokens, strict=False):
-            commit_computed(self.bm, self.kv, seq, n)
-            self._sample(seq, token)
+    def step(
+        self, indices: list[int], chunk: int, tokens: list[int], admit_index: int | None
+    ) -> None:
+        """One engine step over a few running sequences, perhaps admitting a waiting one."""
+        scheduled = list(dict.fromkeys(pick(self.running, i) for i in indices))
+        admitted = (
+            [pick(self.waiting, admit_index)] if admit_index is not None and self.waiting else []
+        )
+        self._step(scheduled, admitted, chunk, tokens)
+
+    @precondition(lambda self: self.running and len(self.live) < MAX_LIVE)
+    @rule(
+        index=INDEX,
+        chunk=CHUNK,
+        suffix=st.lists(TOKENS, min_size=1, max_size=4),
+        tokens=st.lists(TOKENS, min_size=2, max_size=2),
+    )
+    def step_with_twin(self, index: int, chunk: int, suffix: list[int], tokens: list[int]) -> None:
+        """A step that runs a sequence's next chunk and admits a prompt starting with all of
+        its tokens (users sharing a system prompt, arriving together): the newcomer shares
+        the blocks that chunk fills, which the same forward computes."""
+        seq = pick(self.running, index)
+        twin = make_seq((seq.token_ids + suffix)[: self.max_len])
+        self.waiting.append(twin)
+        self._step([seq], [twin], chunk, tokens)
 
     @precondition(lambda self: self.running)
     @rule(index=INDEX, token=TOKENS)
@@ -892,6 +954,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if admit(self.bm, self.kv, seq, chunk):
                 self._finish(seq)
                 return
+
+    def _step(
+        self, scheduled: list[Sequence], admitted: list[Sequence], chunk: int, tokens: list[int]
+    ) -> None:
+        """As the scheduler and the forward do it: room for the running sequences' chunks,
+        then the waiting ones' admission, then every block op, then all the K/V."""
+        batch: list[tuple[Sequence, int]] = []
+        for seq in scheduled:
+            if seq.num_uncomputed_tokens == 0:  # at max length
+                self._finish(seq)
+                continue
+            n = min(seq.num_uncomputed_tokens, chunk)
+            blocks_before = len(seq.block_table)
+            if self.bm.can_append(seq, n):
+                self.bm.append_slots(seq, n)
+                batch.append((seq, n))
+            if self.bm.mode is AllocationMode.CONTIGUOUS:
+                assert len(seq.block_table) == blocks_before, "contiguous mode never grows"
+        for seq in admitted:
+            n = allocate_prompt(self.bm, seq, chunk)
+            if n is not None:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                batch.append((seq, n))
+        self.kv.run_ops()
+        # The forward writes every scheduled token's K/V before any attention reads them.
+        for seq, n in batch:
+            compute(self.kv, seq, n)
+        for (seq, _), token in zip(batch, tokens, strict=False):
+            self._sample(seq, token)
 
     def _prompt(self, suffix: list[int], index: int, resume: bool) -> list[int]:
         prefix = self.histories[index % len(self.histories)] if resume and self.histories else []

@@ -67,6 +67,22 @@ def test_prefix_cache_on_and_off_give_the_same_tokens(make_engine: EngineFactory
     assert_same_greedy(results[False], results[True])
 
 
+def test_prompts_sharing_a_prefix_sent_at_once_compute_it_once(
+    make_engine: EngineFactory,
+) -> None:
+    """Users opening with the same system prompt in the same step: the first computes its
+    full blocks and the others, admitted in that very step, share them."""
+    prompts = shared_prefix_prompts(4, seed=21, prefix_len=70)  # 4 full blocks of 16 shared
+    engine = make_engine(block_size=16, max_num_batched_tokens=256)
+    batched = run(engine, prompts, greedy(8))
+    stats = engine.stats()
+    assert stats.steps == 8, "all four prompts were admitted in the first step"
+    assert stats.blocks.prefix_hits == 3 * 64
+    unshared = sum(len(p) for p in prompts.values()) - 3 * 64
+    assert stats.prompt_tokens_computed == unshared
+    assert_same_greedy(run_alone(make_engine, prompts, max_tokens=8), batched)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs(
     make_engine: EngineFactory, mode: str

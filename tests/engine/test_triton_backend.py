@@ -57,6 +57,21 @@ def test_triton_prefix_cache_hits_give_the_same_tokens(make_engine: EngineFactor
     assert_same_greedy(reference(make_engine, requests), got)
 
 
+def test_triton_reads_shared_blocks_written_in_the_same_forward(
+    make_engine: EngineFactory,
+) -> None:
+    """Prompts sharing a prefix, sent at once: the later ones attend over blocks that the
+    same forward's cache write fills, through the kernel."""
+    rng = random.Random(3)
+    shared = [rng.randrange(17, 49152) for _ in range(36)]
+    requests = {f"r{i}": [*shared, 100 + i, 200 + i] for i in range(3)}
+    engine = make_engine(attention_backend="triton", block_size=16)
+    got = run(engine, requests, greedy(MAX_TOKENS))
+    assert engine.stats().blocks.prefix_hits == 2 * 32
+    assert engine.stats().steps == MAX_TOKENS
+    assert_same_greedy(reference(make_engine, requests), got)
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_triton_preemption_keeps_outputs(make_engine: EngineFactory, mode: str) -> None:
     requests = prompts(3, seed=3, lengths=(14, 20))
