@@ -27,7 +27,9 @@ from service.engine.loader import load_model
 from service.engine.params import SamplingParams
 
 
-def measure(engine: LLMEngine, batch: int, steps: int, prompt_len: int, seed: int) -> dict:
+def measure(
+    engine: LLMEngine, batch: int, steps: int, prompt_len: int, seed: int
+) -> dict[str, float]:
     rng = random.Random(seed)
     # Long enough that no sequence finishes while the others are still prefilling.
     params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)

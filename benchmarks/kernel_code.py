@@ -198,7 +198,9 @@ def compile_for_sm90(call: Recorded, capability: int = SM90[0]) -> Compiled:
     backend = make_backend(target)
     kernel = call.kernel
     kwargs = dict(call.kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    options: dict[str, Any] = {
+        k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs
+    }
     options["enable_fp_fusion"] = True  # the launch default, said out loud (Triton 3.9 warns)
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}

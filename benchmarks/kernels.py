@@ -34,7 +34,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -373,7 +373,7 @@ def _input_sets(batch: int, ctx: int, shape: Shape, device: torch.device) -> int
     return max(1, min(3, int(0.8 * free) // (2 * kv + kv // 2)))
 
 
-def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+def _rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
     """One callable that runs the next of `fns` at each call."""
     turn = itertools.cycle(fns)
     return lambda: next(turn)()
@@ -491,7 +491,7 @@ def head_major(p: Paged) -> Paged:
 
 
 def gpu_ms(
-    fn: Callable[[], object] | list[Callable[[], object]], device: torch.device, reps: int = 25
+    fn: Callable[[], object] | Sequence[Callable[[], object]], device: torch.device, reps: int = 25
 ) -> float:
     """Device milliseconds of one call, cold L2, without host overhead.
 
@@ -499,7 +499,7 @@ def gpu_ms(
     set in turn and the flushes alone, each replayed `reps` times between CUDA events; the
     difference of the medians over the number of sets is one call's time.
     """
-    fns = fn if isinstance(fn, list) else [fn]
+    fns = [fn] if callable(fn) else list(fn)
     flush = torch.empty(2 * _l2(device), dtype=torch.uint8, device=device)
 
     def flushed() -> None:

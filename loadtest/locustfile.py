@@ -40,8 +40,9 @@ import websocket
 from locust import User, between, events, tag, task
 from locust.env import Environment
 
+from clients.chat_client import ChatServerError as ServerError
 from loadtest.httpclient import CompletionError, stream_completion
-from loadtest.wsclient import ChatSocket, ServerError, TurnResult, chat_url
+from loadtest.wsclient import ChatSocket, TurnResult, chat_url
 from service.api.frames import Sampling
 
 QUESTIONS = (
