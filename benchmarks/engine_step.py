@@ -23,7 +23,6 @@ import torch
 
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine, StepTiming
-from service.engine.loader import load_model
 from service.engine.params import SamplingParams
 
 
@@ -76,7 +75,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=200)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", help="activations and KV cache")
+    parser.add_argument("--weight-dtype", default="auto", help="matmul weights")
     parser.add_argument("--model", default=None)
     parser.add_argument(
         "--kv-cache-mb", type=int, default=2048, help="room for every sequence: no preemption"
@@ -87,17 +87,18 @@ def main() -> int:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         max_num_seqs=max(args.batch),
         max_model_len=1024,
         kv_cache_mb=args.kv_cache_mb,
     )
-    loaded = load_model(config.model, dtype=config.torch_dtype(), device=config.torch_device())
-    engine = LLMEngine(config, loaded=loaded)
+    engine = LLMEngine(config)
     rows = [measure(engine, b, args.steps, args.prompt_len, seed=b) for b in args.batch]
     engine.check_balanced()
 
     print(
-        f"engine_step: {loaded.model_id}, dtype {config.torch_dtype()}, "
+        f"engine_step: {engine.model_id}, {engine.weight_dtype} weights, "
+        f"{engine.activation_dtype} activations, "
         f"{torch.get_num_threads()} torch thread(s), {args.steps} decode steps, "
         f"~{args.prompt_len}-token prompts"
     )

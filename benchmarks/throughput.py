@@ -187,7 +187,12 @@ def main() -> int:
     args = parser.parse_args()
 
     probe = EngineConfig(dtype=args.dtype)
-    loaded = load_model(None, dtype=probe.torch_dtype(), device=probe.torch_device())
+    loaded = load_model(
+        None,
+        dtype=probe.torch_dtype(),
+        device=probe.torch_device(),
+        weight_dtype=probe.torch_weight_dtype(),
+    )
     config = trace_config(args.conversations, args.seed, args.rate, args.max_model_len)
     paged, contiguous = AllocationMode.PAGED, AllocationMode.CONTIGUOUS
     specs = [
@@ -211,6 +216,7 @@ def main() -> int:
     result = {
         "model": loaded.model_id,
         "dtype": str(probe.torch_dtype()),
+        "weight_dtype": str(probe.torch_weight_dtype()),
         "threads": torch.get_num_threads(),
         "block_size": probe.block_size,
         "max_model_len": args.max_model_len,

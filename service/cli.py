@@ -23,7 +23,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="GGUF file or HF directory (default: bundled)"
     )
     parser.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on CUDA; the faster of bf16/fp32 on the CPU)"
+        "--dtype", default="auto", help="activations and KV cache (auto: timed on the CPU)"
+    )
+    parser.add_argument(
+        "--weight-dtype", default="auto", help="matmul weights (auto: as --dtype, or timed)"
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -38,6 +41,7 @@ def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         device=args.device,
         attention_backend=args.attention_backend,
     )

@@ -53,7 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dtype",
         str,
         e.dtype,
-        "auto (bf16 on CUDA; the faster of bf16/fp32 on the CPU) | float32 | float16",
+        "activations and KV cache: auto (bf16 on CUDA; timed on the CPU) | float32 | bfloat16"
+        " | float16",
+    )
+    opt(
+        parser,
+        "weight-dtype",
+        str,
+        e.weight_dtype,
+        "matmul weights: auto (timed on the CPU with --dtype auto, else as --dtype) | float32"
+        " | bfloat16 | float16",
     )
     opt(parser, "device", str, e.device, "auto | cpu | cuda[:N]")
     opt(parser, "attention-backend", str, e.attention_backend, "auto | torch | triton")
@@ -88,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         device=args.device,
         attention_backend=args.attention_backend,
         block_size=args.block_size,

@@ -105,8 +105,11 @@ class ChatService:
         await self._engine.start()
         self.lag.start()
         log.info(
-            "pagechat: model %s, %d device + %d CPU KV blocks of %d tokens, Redis %s",
+            "pagechat: model %s (%s weights, %s activations), %d device + %d CPU KV blocks of "
+            "%d tokens, Redis %s",
             engine.model_id,
+            str(engine.weight_dtype).removeprefix("torch."),
+            str(engine.activation_dtype).removeprefix("torch."),
             engine.block_manager.stats().device.total,
             engine.block_manager.stats().cpu.total,
             self.block_size,

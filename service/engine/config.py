@@ -2,11 +2,13 @@
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
 docs/perf.md and ../shared/FACTS.md):
-- dtype "auto" is bfloat16 on CUDA. On the CPU it is whichever of bfloat16 and float32 runs a
-  decode-sized slice of the model (a projection and the paged attention) faster on this very
-  CPU, timed once at start-up: on an AVX2-only EPYC bf16 matmuls ran ~7x slower than fp32; on
-  an EPYC with AVX512-BF16 matmuls ran 2x faster in bf16 but CPU attention 5x slower, and
-  fp32 decoded faster overall (docs/perf.md).
+- dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
+  and the matmul weights' dtype are chosen by timing a decode-sized slice of the model (a
+  projection and the paged attention) once at start-up, on this very CPU: all fp32, bf16
+  weights under fp32 activations, or all bf16. On an AVX2-only EPYC bf16 matmuls ran ~7x
+  slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran 2x faster in
+  bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode fastest
+  (docs/perf.md).
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -21,6 +23,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,7 +38,10 @@ class PreemptionMode(enum.Enum):
 @dataclass(slots=True)
 class EngineConfig:
     model: str | Path | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # activations and KV cache: auto | float32 | bfloat16 | float16
+    # Matmul weights (projections, MLP, embedding, LM head): auto (with dtype auto, timed on
+    # the CPU and bfloat16 on CUDA; otherwise the same as dtype) | float32 | bfloat16 | float16
+    weight_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     block_size: int = 16
@@ -80,48 +86,95 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        """The activations' and the KV cache's dtype."""
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else fastest_cpu_dtype()
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}")
-        return dtypes[self.dtype]
+            if self.torch_device().type == "cuda":
+                return torch.bfloat16
+            return fastest_cpu_dtypes().activations
+        return _named_dtype(self.dtype, "dtype")
+
+    def torch_weight_dtype(self) -> torch.dtype:
+        """The matmul weights' dtype."""
+        if self.weight_dtype != "auto":
+            return _named_dtype(self.weight_dtype, "weight_dtype")
+        if self.dtype == "auto" and self.torch_device().type == "cpu":
+            return fastest_cpu_dtypes().weights
+        return self.torch_dtype()
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _named_dtype(name: str, option: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"{option} must be auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class CpuDtypes(NamedTuple):
+    activations: torch.dtype
+    weights: torch.dtype
+
+
+# SmolLM2-135M's per-layer matmuls as (out, in): qkv, o_proj, gate_up, down.
+_LAYER_MATMULS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+# From the most precise to the least: a later one is taken only if clearly faster.
+_CPU_CHOICES = (
+    CpuDtypes(torch.float32, torch.float32),
+    CpuDtypes(torch.float32, torch.bfloat16),
+    CpuDtypes(torch.bfloat16, torch.bfloat16),
+)
 
 
 @functools.cache
-def fastest_cpu_dtype() -> torch.dtype:
-    """bfloat16 if this CPU runs a decode-sized slice of the model clearly faster in bf16.
+def fastest_cpu_dtypes() -> CpuDtypes:
+    """The dtypes under which this CPU runs a decode-sized slice of the model fastest.
 
-    The slice is what a decode step is made of: a projection (32 x 576 by 576 x 1536) and the
-    attention of 32 sequences over 256 cached tokens (SDPA with a mask and GQA, as the torch
-    backend runs it). A matmul alone misleads: on an EPYC with AVX512-BF16 the projection ran
-    2x faster in bf16 but the attention 5x slower, and the engine decoded 25% slower in bf16
-    at batch 32 (docs/perf.md).
+    The slice is one decoder layer of a decode step at batch 32: the default model's four
+    projections (with the casts they need when the weights' dtype is not the activations')
+    and the attention of 32 sequences over 256 cached tokens (SDPA with a mask and GQA, as the
+    torch backend runs it). A matmul alone misleads: on an EPYC with AVX512-BF16 the matmuls
+    ran 2x faster in bf16 but the attention 5x slower, so all-bf16 decoded slower than fp32
+    while bf16 weights under fp32 activations decoded fastest (docs/perf.md). A less precise
+    choice must beat the one before it by 20%.
 
-    Trials alternate between the dtypes and the best of each counts, so a neighbour's load
-    on a shared machine does not decide the choice. With one torch thread (the engine's
-    default) the trials count this thread's CPU time, which time spent descheduled does not
-    inflate at all.
+    Trials alternate between the choices and the best of each counts, so a neighbour's load
+    on a shared machine does not decide. With one torch thread (the engine's default) the
+    trials count this thread's CPU time, which time spent descheduled does not inflate.
     """
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 576, generator=gen)  # [B, hidden]
-    w = torch.randn(1536, 576, generator=gen)  # [intermediate, hidden]
+    h = torch.randn(32, 1536, generator=gen)  # [B, intermediate]
+    # One decoder layer's matmuls in the default model's shapes: qkv, o_proj, gate_up, down.
+    weights = [torch.randn(n, k, generator=gen) for n, k in _LAYER_MATMULS]
     q = torch.randn(32, 9, 1, 64, generator=gen)  # [B, Hq, 1, D]
     kv = torch.randn(32, 3, 256, 64, generator=gen)  # [B, Hkv, C, D]
     mask = torch.ones(32, 1, 1, 256, dtype=torch.bool)
+    F = torch.nn.functional
 
-    def step(x: torch.Tensor, w: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> None:
-        torch.nn.functional.linear(x, w)
-        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+    def layer(
+        x: torch.Tensor, h: torch.Tensor, ws: list[torch.Tensor], q: torch.Tensor, kv: torch.Tensor
+    ) -> None:
+        for w in ws:
+            inp = x if w.shape[1] == x.shape[1] else h  # `down` reads the MLP's hidden
+            F.linear(inp.to(w.dtype), w).to(inp.dtype)
+        F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
 
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    best = dict.fromkeys(_CPU_CHOICES, float("inf"))
     for _ in range(3):
-        for dtype in best:
-            args = tuple(t.to(dtype) for t in (x, w, q, kv))
-            step(*args)
+        for choice in best:
+            act = choice.activations
+            ws = [w.to(choice.weights) for w in weights]
+            args = (x.to(act), h.to(act), ws, q.to(act), kv.to(act))
+            layer(*args)
             start = clock()
             for _ in range(2):
-                step(*args)
-            best[dtype] = min(best[dtype], clock() - start)
-    return torch.bfloat16 if best[torch.bfloat16] < 0.8 * best[torch.float32] else torch.float32
+                layer(*args)
+            best[choice] = min(best[choice], clock() - start)
+    chosen = _CPU_CHOICES[0]
+    for choice in _CPU_CHOICES[1:]:
+        if best[choice] < 0.8 * best[chosen]:
+            chosen = choice
+    return chosen

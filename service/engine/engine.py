@@ -120,9 +120,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         torch.set_num_threads(config.num_threads)
         self.config = config
-        device, dtype = config.torch_device(), config.torch_dtype()
+        device = config.torch_device()
         if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=device)
+            loaded = load_model(
+                config.model,
+                dtype=config.torch_dtype(),
+                device=device,
+                weight_dtype=config.torch_weight_dtype(),
+            )
+        # A model loaded by the caller decides the dtypes: the KV cache follows its activations.
+        self.activation_dtype = dtype = loaded.model.activation_dtype
+        self.weight_dtype = loaded.model.embed_tokens.weight.dtype
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         args = loaded.args

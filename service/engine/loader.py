@@ -58,14 +58,17 @@ def load_model(
     source: str | Path | None,
     dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
+    *,
+    weight_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
+    """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`)."""
     path = default_model_path() if source is None else Path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, weight_dtype, device)
     if path.is_dir():
-        return _load_hf(path, dtype, device)
+        return _load_hf(path, dtype, weight_dtype, device)
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
 
 
@@ -105,7 +108,9 @@ _GGUF_LAYER_TENSORS = (
 )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, weight_dtype: torch.dtype | None, device: torch.device
+) -> LoadedModel:
     reader = open_gguf(path)
     args = _gguf_args(reader)
     raw = {t.name: t for t in reader.tensors}
@@ -129,7 +134,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedMo
             weights[f"layers.{i}.{ours}"] = layer.pop(theirs)
     if raw:
         raise UnsupportedModelError(f"unexpected GGUF tensors: {sorted(raw)[:5]}")
-    model = LlamaModel.from_weights(args, weights, dtype, device)
+    model = LlamaModel.from_weights(args, weights, dtype, device, weight_dtype=weight_dtype)
     name = path.name.removesuffix(".gguf")
     return LoadedModel(
         model=model,
@@ -205,7 +210,9 @@ _HF_LAYER_TENSORS = (
 )
 
 
-def _load_hf(directory: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_hf(
+    directory: Path, dtype: torch.dtype, weight_dtype: torch.dtype | None, device: torch.device
+) -> LoadedModel:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
@@ -238,7 +245,7 @@ def _load_hf(directory: Path, dtype: torch.dtype, device: torch.device) -> Loade
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UnsupportedModelError(f"unexpected tensors: {sorted(leftover)[:5]}")
-    model = LlamaModel.from_weights(args, weights, dtype, device)
+    model = LlamaModel.from_weights(args, weights, dtype, device, weight_dtype=weight_dtype)
     return LoadedModel(
         model=model,
         args=args,

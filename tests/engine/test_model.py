@@ -142,6 +142,31 @@ def test_bf16_model_returns_float32_logits_close_to_fp32(
     assert _rel_error(low, high) < 0.05
 
 
+@torch.inference_mode()
+def test_bf16_weights_under_fp32_activations_stay_close_to_fp32(
+    tiny: tuple[LoadedModel, LlamaForCausalLM], tmp_path: Path
+) -> None:
+    """The mixed CPU mode: matmuls read bf16 weights; hidden states, norms, RoPE and the
+    attention (so the KV cache) stay fp32."""
+    fp32 = tiny[0].model
+    directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=fp32.lm_head is None)
+    mixed = load_model(directory, torch.float32, CPU, weight_dtype=torch.bfloat16).model
+    matmuls = {n for n, m in mixed.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, param in mixed.named_parameters():
+        is_matmul = name.rpartition(".")[0] in matmuls or name.startswith("embed_tokens.")
+        assert param.dtype == (torch.bfloat16 if is_matmul else torch.float32), name
+    attention = ContiguousAttention(2)
+    ids = _tokens(9, seed=4)
+    hidden = mixed(ids, torch.arange(9), attention)
+    assert hidden.dtype == torch.float32
+    cached = attention.keys[0]
+    assert cached is not None and cached.dtype == torch.float32
+    low = mixed.compute_logits(hidden)
+    high = fp32.compute_logits(fp32(ids, torch.arange(9), ContiguousAttention(2)))
+    assert low.dtype == torch.float32
+    assert 0 < _rel_error(low, high) < 0.05  # rounded, but only by the weights
+
+
 def test_tied_model_projects_logits_through_its_embedding(
     tiny: tuple[LoadedModel, LlamaForCausalLM],
 ) -> None:

@@ -1,0 +1,58 @@
+"""EngineConfig's dtypes: the activations' (and KV cache's) and the matmul weights'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.engine.config import _CPU_CHOICES, CpuDtypes, EngineConfig, fastest_cpu_dtypes
+from service.engine.engine import LLMEngine
+from service.engine.params import SamplingParams
+from tests.engine.greedy import run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_weights_follow_an_explicit_dtype(dtype: str) -> None:
+    config = EngineConfig(dtype=dtype, device="cpu")
+    assert config.torch_weight_dtype() == config.torch_dtype() == getattr(torch, dtype)
+
+
+def test_an_explicit_weight_dtype_wins() -> None:
+    config = EngineConfig(dtype="float32", weight_dtype="bfloat16", device="cpu")
+    assert (config.torch_dtype(), config.torch_weight_dtype()) == (torch.float32, torch.bfloat16)
+
+
+def test_auto_on_the_cpu_takes_one_of_the_timed_choices() -> None:
+    config = EngineConfig(device="cpu")
+    chosen = CpuDtypes(config.torch_dtype(), config.torch_weight_dtype())
+    assert chosen in _CPU_CHOICES
+    assert chosen == fastest_cpu_dtypes()  # timed once per process
+
+
+@pytest.mark.parametrize("option", ["dtype", "weight_dtype"])
+def test_an_unknown_dtype_name_is_refused_by_its_option(option: str) -> None:
+    config = EngineConfig(device="cpu", **{option: "float8"})
+    with pytest.raises(ValueError, match=f"^{option} must be auto or one of"):
+        config.torch_dtype() if option == "dtype" else config.torch_weight_dtype()
+
+
+def test_an_engine_with_bf16_weights_keeps_an_fp32_kv_cache(tiny_model_dir: Path) -> None:
+    config = EngineConfig(
+        model=tiny_model_dir,
+        dtype="float32",
+        weight_dtype="bfloat16",
+        device="cpu",
+        num_device_blocks=64,
+        num_cpu_blocks=16,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+    )
+    engine = LLMEngine(config)
+    assert (engine.activation_dtype, engine.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert engine.runner.device_pool.dtype == torch.float32
+    prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
+    out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
+    engine.check_balanced()
