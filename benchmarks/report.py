@@ -142,8 +142,11 @@ def kv_memory_markdown(kv: dict[str, Any]) -> str:
 
 
 def throughput_markdown(tp: dict[str, Any]) -> str:
+    # Results from before weight_dtype existed ran the weights in the activations' dtype.
+    weights = tp.get("weight_dtype", tp["dtype"])
     lines = [
-        f"Model {tp['model']}, {tp['dtype']}, {tp['threads']} torch thread(s), block "
+        f"Model {tp['model']}, {weights} weights, {tp['dtype']} activations, "
+        f"{tp['threads']} torch thread(s), block "
         f"{tp['block_size']}, max_model_len {tp['max_model_len']}, {tp['conversations']} "
         f"conversations ({tp['runs'][0]['requests']} turns), rate runs at {tp['rate']} new "
         "conversations/s.",
