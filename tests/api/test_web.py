@@ -172,6 +172,34 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
     assert opened.errors == []
 
 
+async def test_a_message_over_the_context_is_marked_not_sent_and_the_chat_goes_on(
+    open_page: Callable[[str], Awaitable[Page]],
+) -> None:
+    opened = await open_page("/")
+    page = opened.page
+    await page.click("#start")
+    await page.wait_for_selector("#input:not([disabled])")
+    too_long = "word " * 700  # ~700 tokens: over this server's 512-token context
+    await page.fill("#input", too_long)
+    await page.keyboard.press("Enter")
+    refused = await page.wait_for_selector(".msg.user.refused", timeout=60_000)
+    assert "context" in (await refused.get_attribute("title") or "")
+    assert "New chat" in await page.inner_text("#status")
+    assert await page.input_value("#input") == too_long.strip()  # back to edit
+    assert await page.locator(".msg.assistant").count() == 0
+
+    await page.fill("#input", "Say hello.")
+    await page.keyboard.press("Enter")
+    await page.wait_for_selector(".usage", timeout=120_000)
+    assert await page.locator(".msg.user:not(.refused)").all_inner_texts() == ["Say hello."]
+    # The refused message was never stored: a resume brings back only the answered turn.
+    await page.reload()
+    await page.wait_for_function("document.querySelector('#meta').textContent.includes('resumed')")
+    messages = await page.locator(".msg").all_inner_texts()
+    assert len(messages) == 2 and messages[0] == "Say hello."
+    assert opened.errors == []
+
+
 async def test_kv_view_draws_both_pools_and_counts_every_block(
     open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
