@@ -136,14 +136,21 @@ async def open_page(server: ServerProcess) -> AsyncIterator[Callable[[str], Awai
             await browser.close()
 
 
+async def new_chat(open_page: Callable[[str], Awaitable[Page]], system: str = "") -> Page:
+    """The chat page with a new session open, ready for a message."""
+    opened = await open_page("/")
+    if system:
+        await opened.page.fill("#system", system)
+    await opened.page.click("#start")
+    await opened.page.wait_for_selector("#input:not([disabled])")
+    return opened
+
+
 async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation(
     open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
-    opened = await open_page("/")
+    opened = await new_chat(open_page, "You are a helpful assistant. Answer briefly.")
     page = opened.page
-    await page.fill("#system", "You are a helpful assistant. Answer briefly.")
-    await page.click("#start")
-    await page.wait_for_selector("#input:not([disabled])")
     assert await page.is_hidden("#system-row")  # a session is open: no system prompt to set
     await page.fill("#input", "What is the capital of France?")
     await page.keyboard.press("Enter")
@@ -175,10 +182,8 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
 async def test_a_message_over_the_context_is_marked_not_sent_and_the_chat_goes_on(
     open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
-    opened = await open_page("/")
+    opened = await new_chat(open_page)
     page = opened.page
-    await page.click("#start")
-    await page.wait_for_selector("#input:not([disabled])")
     too_long = "word " * 700  # ~700 tokens: over this server's 512-token context
     await page.fill("#input", too_long)
     await page.keyboard.press("Enter")
@@ -217,10 +222,8 @@ async def test_kv_view_draws_both_pools_and_counts_every_block(
 async def test_stop_ends_an_answer_as_cancelled_and_the_chat_goes_on(
     open_page: Callable[[str], Awaitable[Page]],
 ) -> None:
-    opened = await open_page("/")
+    opened = await new_chat(open_page)
     page = opened.page
-    await page.click("#start")
-    await page.wait_for_selector("#input:not([disabled])")
     await page.fill("#input", "Write a very long story about a lighthouse keeper.")
     await page.keyboard.press("Enter")
     await page.wait_for_selector(".msg.assistant.streaming")  # the first delta has come
