@@ -71,6 +71,19 @@ def test_default_model_answers_with_paris(smollm2: LoadedModel) -> None:
     assert "Paris" in tok.decode(out)
 
 
+@pytest.mark.real_model
+def test_default_model_answers_with_paris_from_bf16_weights() -> None:
+    """The CPU mode dtype auto picks on bf16-capable CPUs: bf16 matmul weights, fp32 rest."""
+    mixed = load_model(None, torch.float32, CPU, weight_dtype=torch.bfloat16)
+    assert mixed.model.embed_tokens.weight.dtype == torch.bfloat16
+    tok = mixed.tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    out = greedy_generate(mixed.model, prompt, 30, stop=tok.eos_token_ids)
+    assert "Paris" in tok.decode(out)
+
+
 def _llama_cpp_permute(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
     # convert_hf_to_gguf.py's LlamaModel.permute, which the GGUF file went through.
     return (
