@@ -60,6 +60,8 @@ class EngineCounters(msgspec.Struct, kw_only=True):
 
 class Stats(msgspec.Struct, kw_only=True):
     model_id: str
+    weight_dtype: str  # the matmul weights' (what --dtype auto chose, or was told)
+    activation_dtype: str  # the activations' and the KV cache's
     kv: KVStats
     prefix_cache: PrefixCacheStats
     swaps: SwapStats
@@ -76,8 +78,11 @@ def _pool(usage: PoolUsage) -> Pool:
 def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
     s = service.engine.stats()
     b = s.blocks
+    engine = service.engine.engine
     return Stats(
         model_id=service.model_id,
+        weight_dtype=str(engine.weight_dtype).removeprefix("torch."),
+        activation_dtype=str(engine.activation_dtype).removeprefix("torch."),
         kv=KVStats(block_size=service.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
         prefix_cache=PrefixCacheStats(
             queries=b.prefix_queries,

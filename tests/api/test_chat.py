@@ -34,8 +34,8 @@ from tests.tiny_model import gguf_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
 
-# NOTE: float32, not the default bfloat16: this CPU (AVX2, no native bf16) prefills ~6x
-# slower in bf16 (a 280-token prompt: 10 s vs 1.5 s), and this module prefills a lot.
+# NOTE: float32, not the default (auto, timed per CPU): greedy answers are compared exactly
+# here, and on an AVX2-only CPU bf16 prefills ~6x slower (a 280-token prompt: 10 s vs 1.5 s).
 # tests/api/test_restart.py runs the default dtype.
 DTYPE = "float32"
 BLOCK = 16
@@ -420,6 +420,7 @@ async def test_health_stats_and_metrics(server: ServerProcess) -> None:
     status, body = await asyncio.to_thread(server.get, "/health")
     assert status == 200 and b'"ok"' in body
     stats = await server.astats()
+    assert (stats["weight_dtype"], stats["activation_dtype"]) == (DTYPE, DTYPE)
     assert stats["kv"]["device"]["total"] == 64 and stats["kv"]["cpu"]["total"] == 512
     assert stats["prefix_cache"]["queries"] > 0
     assert stats["event_loop_lag"]["samples"] > 0
