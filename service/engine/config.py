@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import functools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -173,8 +174,14 @@ def fastest_cpu_dtypes() -> CpuDtypes:
             for _ in range(2):
                 layer(*args)
             best[choice] = min(best[choice], clock() - start)
+    return pick_cpu_dtypes(best)
+
+
+def pick_cpu_dtypes(times: Mapping[CpuDtypes, float]) -> CpuDtypes:
+    """From the most precise choice on, move to the next only where it is 20% faster than the
+    one held: a small gain is not worth the rounding."""
     chosen = _CPU_CHOICES[0]
     for choice in _CPU_CHOICES[1:]:
-        if best[choice] < 0.8 * best[chosen]:
+        if times[choice] < 0.8 * times[chosen]:
             chosen = choice
     return chosen

@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine.config import _CPU_CHOICES, CpuDtypes, EngineConfig, fastest_cpu_dtypes
+from service.engine.config import (
+    _CPU_CHOICES,
+    CpuDtypes,
+    EngineConfig,
+    fastest_cpu_dtypes,
+    pick_cpu_dtypes,
+)
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 from tests.engine.greedy import run
@@ -29,6 +35,26 @@ def test_auto_on_the_cpu_takes_one_of_the_timed_choices() -> None:
     chosen = CpuDtypes(config.torch_dtype(), config.torch_weight_dtype())
     assert chosen in _CPU_CHOICES
     assert chosen == fastest_cpu_dtypes()  # timed once per process
+
+
+FP32, MIXED, BF16 = _CPU_CHOICES
+
+
+@pytest.mark.parametrize(
+    ("fp32", "mixed", "bf16", "chosen"),
+    [
+        (1.0, 0.65, 2.0, MIXED),  # an AVX512-BF16 EPYC: bf16 matmuls, slow bf16 attention
+        (1.0, 3.0, 7.0, FP32),  # an AVX2-only EPYC: bf16 matmuls ~7x slower
+        (1.0, 0.85, 2.0, FP32),  # 15% faster is not worth the rounding
+        (1.0, 0.7, 0.5, BF16),  # native bf16 everywhere: each step 20% faster
+        (1.0, 0.9, 0.75, BF16),  # judged against fp32, still held
+        (1.0, 0.7, 0.6, MIXED),  # all-bf16 must beat mixed, not only fp32
+    ],
+)
+def test_the_trial_takes_a_less_precise_choice_only_where_it_is_20_percent_faster(
+    fp32: float, mixed: float, bf16: float, chosen: CpuDtypes
+) -> None:
+    assert pick_cpu_dtypes({FP32: fp32, MIXED: mixed, BF16: bf16}) == chosen
 
 
 @pytest.mark.parametrize("option", ["dtype", "weight_dtype"])
