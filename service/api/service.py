@@ -16,6 +16,7 @@ from service.api.frames import ErrorCode, FrameError
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
 from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.config import dtype_name
 from service.engine.engine import LLMEngine, RequestError
 from service.engine.loader import LoadedModel
 from service.engine.params import SamplingParams
@@ -108,8 +109,8 @@ class ChatService:
             "pagechat: model %s (%s weights, %s activations), %d device + %d CPU KV blocks of "
             "%d tokens, Redis %s",
             engine.model_id,
-            str(engine.weight_dtype).removeprefix("torch."),
-            str(engine.activation_dtype).removeprefix("torch."),
+            dtype_name(engine.weight_dtype),
+            dtype_name(engine.activation_dtype),
             engine.block_manager.stats().device.total,
             engine.block_manager.stats().cpu.total,
             self.block_size,

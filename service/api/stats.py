@@ -7,6 +7,7 @@ import msgspec
 from service.api.loop_lag import LagSummary
 from service.api.service import ChatService
 from service.engine.blocks import PoolUsage
+from service.engine.config import dtype_name
 
 
 class Pool(msgspec.Struct, kw_only=True):
@@ -81,8 +82,8 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
     engine = service.engine.engine
     return Stats(
         model_id=service.model_id,
-        weight_dtype=str(engine.weight_dtype).removeprefix("torch."),
-        activation_dtype=str(engine.activation_dtype).removeprefix("torch."),
+        weight_dtype=dtype_name(engine.weight_dtype),
+        activation_dtype=dtype_name(engine.activation_dtype),
         kv=KVStats(block_size=service.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
         prefix_cache=PrefixCacheStats(
             queries=b.prefix_queries,

@@ -3,12 +3,12 @@
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
 docs/perf.md and ../shared/FACTS.md):
 - dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
-  and the matmul weights' dtype are chosen by timing a decode-sized slice of the model (a
-  projection and the paged attention) once at start-up, on this very CPU: all fp32, bf16
-  weights under fp32 activations, or all bf16. On an AVX2-only EPYC bf16 matmuls ran ~7x
-  slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran 2x faster in
-  bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode fastest
-  (docs/perf.md).
+  and the matmul weights' dtype are chosen by timing one decoder layer of a batch-32 decode
+  step (its four projections and the paged attention) once at start-up, on this very CPU:
+  all fp32, bf16 weights under fp32 activations, or all bf16. On an AVX2-only EPYC bf16
+  matmuls ran ~7x slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran
+  2x faster in bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode
+  fastest (docs/perf.md).
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -104,6 +104,11 @@ class EngineConfig:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name the options take: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _named_dtype(name: str, option: str) -> torch.dtype:
