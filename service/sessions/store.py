@@ -1,13 +1,27 @@
 """The session store: the only code that talks to Redis.
 
-Keys, all under one prefix and all expiring `ttl_s` after the latest activity:
+Keys, all under one prefix; the first three expire `ttl_s` after the latest activity:
   {prefix}session:{id}            hash: created, updated, owner, model_id, turns, system,
-                                  secret_sha256
+                                  secret_sha256, last_write (the latest turn's write id)
   {prefix}session:{id}:messages   list: one msgpack-encoded `Message` per entry
   {prefix}session:{id}:pagemap    string: the msgpack-encoded `PageMap`
+  {prefix}session:{id}:lease      string: the holder of the turn lease; expires `lease_s`
+                                  after it was taken or renewed
 
-NOTE (atomicity): a turn's messages and its page map are written in one MULTI/EXEC, so a
-reader never sees a conversation whose token ids and text disagree.
+NOTE (atomicity): a turn's messages, its page map and the turn count are written by one Lua
+script, so a reader never sees a conversation whose token ids and text disagree.
+NOTE (fencing): a turn runs under a lease. `begin_turn` sets the lease key to a holder token
+unique to this turn (SET NX PX) and records the session's turn count as the fencing index;
+`append_turn` writes only while the lease key still holds that token and the count has not
+moved, and otherwise writes nothing. The lease alone keeps two replicas from answering one
+session at once while processes keep time; the check at write time keeps the history whole
+when they do not: a replica paused past its lease (a stalled event loop, a partition) finds
+that another holder took over, and cannot overwrite the newer turn or fork the history.
+Read the page map (`load`) after `begin_turn`: the lease fences the state read under it.
+NOTE (retries): redis-py retries a command whose connection failed, even one that ran and
+lost its reply, so every write here is idempotent: `create` writes the same fields again,
+`begin_turn` sets the same holder, `renew_turn` and `end_turn` compare the holder, and
+`append_turn` records a write id that a retry of the same write finds and stops at.
 NOTE (secrets): only a SHA-256 of the secret is stored. Secrets are 256 random bits, so a
 plain hash is enough (no key stretching); comparison is constant-time.
 """
@@ -20,7 +34,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -29,6 +43,40 @@ from service.sessions.models import Message, PageMap, SessionMeta
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
+LEASE_S = 10.0  # a turn lease's length; the holder renews it well within that while it answers
+
+# KEYS: meta, lease. ARGV: holder, lease ms. -> {1, turns} | {0, ""} no session | {-1, holder}
+_BEGIN_TURN = """
+if redis.call('HEXISTS', KEYS[1], 'secret_sha256') == 0 then return {0, ''} end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return {-1, holder} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return {1, redis.call('HGET', KEYS[1], 'turns')}
+"""
+# KEYS: lease. ARGV: holder, lease ms. -> 1 renewed | 0 not ours
+_RENEW_TURN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+# KEYS: lease. ARGV: holder. -> 1 released | 0 not ours
+_END_TURN = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+# KEYS: meta, messages, page map, lease. ARGV: holder, turn, write id, ttl s, updated, owner,
+# page map, message... -> 1 written (now or by an earlier try) | 0 lease lost | -1 turn moved
+_APPEND_TURN = """
+if redis.call('HGET', KEYS[1], 'last_write') == ARGV[3] then return 1 end
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'turns') ~= ARGV[2] then return -1 end
+redis.call('RPUSH', KEYS[2], unpack(ARGV, 8))
+redis.call('SET', KEYS[3], ARGV[7])
+redis.call('HSET', KEYS[1], 'updated', ARGV[5], 'owner', ARGV[6], 'last_write', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'turns', 1)
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+
 
 class SessionNotFound(LookupError):
     """No such session: never created, expired, or a malformed id."""
@@ -36,6 +84,21 @@ class SessionNotFound(LookupError):
 
 class WrongSecret(PermissionError):
     """The session exists but the secret does not match."""
+
+
+class SessionBusy(Exception):
+    """Another holder (this replica or another) has the session's turn lease."""
+
+
+class LeaseLost(Exception):
+    """A turn's write was refused, and nothing written: its lease expired or the turn moved on."""
+
+
+@dataclass(slots=True, frozen=True)
+class TurnLease:
+    session_id: str
+    holder: str  # the replica id and a random token: unique per lease
+    turn: int  # the session's turn count when the lease was taken: the fencing index
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +122,10 @@ class SessionStore:
         self._encode = msgspec.msgpack.Encoder().encode
         self._message = msgspec.msgpack.Decoder(Message)
         self._page_map = msgspec.msgpack.Decoder(PageMap)
+        self._begin_turn = redis.register_script(_BEGIN_TURN)
+        self._renew_turn = redis.register_script(_RENEW_TURN)
+        self._end_turn = redis.register_script(_END_TURN)
+        self._append_turn = redis.register_script(_APPEND_TURN)
 
     # ------------------------------------------------------------------ keys
 
@@ -70,6 +137,9 @@ class SessionStore:
 
     def page_map_key(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:pagemap"
+
+    def lease_key(self, session_id: str) -> str:
+        return f"{self.prefix}session:{session_id}:lease"
 
     def _keys(self, session_id: str) -> tuple[str, str, str]:
         return (
@@ -138,19 +208,40 @@ class SessionStore:
         raw = cast(list[bytes], await self._redis.lrange(self.messages_key(session_id), 0, -1))
         return [self._message.decode(item) for item in raw]
 
+    # ------------------------------------------------------------------ turns
+
+    async def begin_turn(self, session_id: str, *, lease_s: float = LEASE_S) -> TurnLease:
+        """Take the session's turn lease for `lease_s`; then `load` what the turn builds on."""
+        _check_id(session_id)
+        holder = f"{self.replica}:{secrets.token_urlsafe(12)}"
+        keys = [self.meta_key(session_id), self.lease_key(session_id)]
+        status, value = cast(
+            list[Any], await self._begin_turn(keys=keys, args=[holder, _ms(lease_s)])
+        )
+        if status == 0:
+            raise SessionNotFound(f"unknown or expired session {session_id}")
+        if status < 0:
+            raise SessionBusy(f"session {session_id} is answering on {value.decode()}")
+        return TurnLease(session_id=session_id, holder=holder, turn=int(value))
+
+    async def renew_turn(self, lease: TurnLease, *, lease_s: float = LEASE_S) -> None:
+        """Extend the lease to `lease_s` from now, if it is still ours."""
+        keys = [self.lease_key(lease.session_id)]
+        if not await self._renew_turn(keys=keys, args=[lease.holder, _ms(lease_s)]):
+            raise LeaseLost(f"the turn lease on session {lease.session_id} expired")
+
     async def append_turn(
-        self, session_id: str, messages: list[Message], page_map: PageMap
+        self, lease: TurnLease, messages: list[Message], page_map: PageMap
     ) -> None:
-        """Add a turn's messages and replace the page map, atomically; refreshes the TTL."""
-        meta_key, messages_key, page_map_key = self._keys(session_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(messages_key, *(self._encode(m) for m in messages))
-            pipe.set(page_map_key, self._encode(page_map))
-            pipe.hset(meta_key, mapping={"updated": time.time(), "owner": self.replica})
-            pipe.hincrby(meta_key, "turns", 1)
-            for key in (meta_key, messages_key, page_map_key):
-                pipe.expire(key, self.ttl_s)
-            await pipe.execute()
+        """Add a turn's messages and replace the page map, atomically, if `lease` still holds
+        and no turn was written since it was taken; refreshes the TTL."""
+        await self._write_turn(lease, secrets.token_urlsafe(12), messages, page_map)
+
+    async def end_turn(self, lease: TurnLease) -> None:
+        """Release the lease, if it is still ours (an expired one may be someone else's)."""
+        await self._end_turn(keys=[self.lease_key(lease.session_id)], args=[lease.holder])
+
+    # ------------------------------------------------------------------ upkeep
 
     async def touch(self, session_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -166,6 +257,24 @@ class SessionStore:
 
     # ------------------------------------------------------------------ internals
 
+    async def _write_turn(
+        self, lease: TurnLease, write_id: str, messages: list[Message], page_map: PageMap
+    ) -> None:
+        """One try of `append_turn`: a retry with the same `write_id` does not write twice."""
+        if not messages:
+            raise ValueError("a turn adds at least one message")
+        keys = [*self._keys(lease.session_id), self.lease_key(lease.session_id)]
+        args: list[bytes | str | int | float] = [
+            *(lease.holder, lease.turn, write_id, self.ttl_s, time.time(), self.replica),
+            self._encode(page_map),
+            *(self._encode(m) for m in messages),
+        ]
+        status = await self._append_turn(keys=keys, args=args)
+        if status == 0:
+            raise LeaseLost(f"the turn lease on session {lease.session_id} expired or moved")
+        if status < 0:
+            raise LeaseLost(f"session {lease.session_id} moved past turn {lease.turn}")
+
     async def _load_meta_fields(self, session_id: str) -> dict[str, str]:
         _check_id(session_id)
         raw = cast(dict[bytes, bytes], await self._redis.hgetall(self.meta_key(session_id)))
@@ -173,6 +282,12 @@ class SessionStore:
         if "secret_sha256" not in fields:
             raise SessionNotFound(f"unknown or expired session {session_id}")
         return fields
+
+
+def _ms(seconds: float) -> int:
+    if seconds <= 0:
+        raise ValueError("a lease lasts > 0 s")
+    return max(1, round(seconds * 1000))
 
 
 def _check_id(session_id: str) -> None:
