@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from service.engine.blocks import Tier
+from service.engine.blocks import CacheScope, Tier
 from service.engine.engine import EngineStats, LLMEngine, PageMap, RequestError, RequestOutput
 from service.engine.params import SamplingParams
 
@@ -35,6 +35,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_scope: CacheScope | None
 
 
 @dataclass(slots=True)
@@ -122,6 +123,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_scope: CacheScope | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until every sample has finished.
 
@@ -136,7 +138,7 @@ class AsyncEngine:
             raise RequestError(f"request {request_id!r} is already running")
         stream = _Stream(params.n)
         self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params))
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_scope))
         try:
             while not stream.done:
                 item = await stream.queue.get()
@@ -194,7 +196,10 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.cache_scope,
                 )
             except RequestError as exc:
                 self._post(self._reject, command.request_id, exc)

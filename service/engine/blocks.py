@@ -12,7 +12,8 @@ NOTE (states of a block):
   cached   ref_count == 0 with a content hash, on its tier's LRU list, reusable by a prefix hit;
   free     no handle: the slot is on its tier's free list and its contents mean nothing.
 NOTE (what a hash covers): blake2b over (parent block's hash, the block's token ids, the
-  namespace); the namespace names the model and, where tenants must not share, a cache salt.
+  namespace); the namespace names the model and, where tenants must not share, a cache salt,
+  and a request's `CacheScope` may narrow it block by block (the NOTE at `CacheScope`).
   Only full blocks are hashed. A block is registered under its hash when the step that
   fills it is scheduled (`allocate`, `append_slots`), before its K/V exist: the forward
   writes each layer's K/V for the whole batch before any of that layer's attention reads, so
@@ -38,6 +39,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from service.engine.sequence import Sequence
 
@@ -145,14 +148,63 @@ def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> 
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_blocks(token_ids: list[int], block_size: int, namespace: str) -> list[int]:
+class CacheScope(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who may find a request's blocks in the prefix cache.
+
+    NOTE (cache scopes): a prompt that hits the cache reveals, through `cached_tokens` and
+    time to first token, that someone computed the same tokens before; so a block is shared
+    only among those allowed to learn that. Block i (tokens [i*bs, (i+1)*bs)) is hashed in
+      the engine's namespace         with no scope, or a shared block of salt "";
+      namespace + salt               a shared block: `private` is None, or the block lies
+                                     wholly inside the first `shared_tokens` tokens;
+      namespace + salt + private     any other block.
+    Requests with different salts (tenants) share nothing. Within a salt, sessions (`private`
+    ids) share only the blocks wholly inside the shared part (the chat template's fixed
+    prefix and the system prompt): a block reaching one token past it holds K/V of that
+    token, so it is private. What a shared hit tells a session is that someone in its salt
+    used the same system prompt. `None` and `CacheScope()` hash as before scopes existed, so
+    page maps stored earlier stay valid, and a default-salt scope's shared blocks are the
+    ones unscoped requests find.
+    The chain is unchanged: a block's hash covers its parent's, so it names every token before
+    it whatever namespaces they were hashed in; a namespace narrows who can find a block, never
+    what its K/V hold. Two sessions sending the same message compute and keep it twice.
+    Salt and id are length-prefixed after tags, so no (salt, private) pair spells another's
+    or the engine's own namespace.
+    """
+
+    salt: str = ""  # tenant (API key, cache_salt): different salts share nothing
+    private: str | None = None  # e.g. a session id: blocks past `shared_tokens` are its own
+    shared_tokens: int = 0  # leading prompt tokens that may be shared within the salt
+
+    def __post_init__(self) -> None:
+        if self.shared_tokens < 0:
+            raise ValueError("shared_tokens must be >= 0")
+        if self.private == "":
+            raise ValueError("private must be a non-empty id, or None to share everything")
+
+
+def block_namespace(
+    namespace: str, scope: CacheScope | None, block_index: int, block_size: int
+) -> str:
+    """The namespace block `block_index` of a request in `scope` is hashed in."""
+    if scope is None:
+        return namespace
+    if scope.salt:
+        namespace += f"|salt:{len(scope.salt)}:{scope.salt}"
+    if scope.private is None or (block_index + 1) * block_size <= scope.shared_tokens:
+        return namespace
+    return f"{namespace}|private:{len(scope.private)}:{scope.private}"
+
+
+def hash_blocks(
+    token_ids: list[int], block_size: int, namespace: str, scope: CacheScope | None = None
+) -> list[int]:
     """The chain hashes of every full block of `token_ids` (what a page map stores)."""
     hashes: list[int] = []
     for i in range(len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(
-            hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], namespace)
-        )
+        ns = block_namespace(namespace, scope, i, block_size)
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], ns))
     return hashes
 
 
@@ -548,6 +600,5 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else None
-            seq.block_hashes.append(
-                hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self.namespace)
-            )
+            ns = block_namespace(self.namespace, seq.cache_scope, i, bs)
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], ns))

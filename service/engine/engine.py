@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.backend import get_backend
-from service.engine.blocks import AllocationMode, BlockManager, BlockStats, SlotState, Tier
+from service.engine.blocks import (
+    AllocationMode,
+    BlockManager,
+    BlockStats,
+    CacheScope,
+    SlotState,
+    Tier,
+    hash_blocks,
+)
 from service.engine.config import EngineConfig
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
@@ -186,7 +194,9 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
+        cache_scope: CacheScope | None = None,
     ) -> None:
+        """Queue a request; `cache_scope` limits who shares its KV blocks (None: everyone)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already running")
@@ -209,12 +219,19 @@ class LLMEngine:
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
+            cache_scope=cache_scope,
             generator=self._generator(params, 0),
         )
         request = _Request(request_id, params, [seq])
         request.stop_checkers[0] = StopChecker(self.tokenizer, params)
         self._requests[request_id] = request
         self.scheduler.add(seq)
+
+    def block_hashes(self, token_ids: list[int], scope: CacheScope | None = None) -> list[int]:
+        """The chain hashes this engine gives the full blocks of `token_ids` in `scope`
+        (for page maps: `AsyncEngine.block_tiers` looks them up)."""
+        bm = self.block_manager
+        return hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and release its blocks. False if it is not running."""

@@ -17,7 +17,7 @@ import torch
 from service.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from service.engine.blocks import Block
+    from service.engine.blocks import Block, CacheScope
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +43,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    cache_scope: CacheScope | None = None  # who may share its blocks (None: everyone)
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -89,6 +90,7 @@ class Sequence:
             token_ids=list(self.token_ids),
             num_prompt_tokens=self.num_prompt_tokens,
             params=self.params,
+            cache_scope=self.cache_scope,
             arrival_time=self.arrival_time,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from tests.engine.conftest import EngineFactory
@@ -173,3 +174,19 @@ async def test_a_page_map_asked_for_when_the_engine_fails_fails_too(
     await stream.aclose()
     await engine.stop()
     sync_engine.abort("boom")  # the dead thread never did; the pools must balance after it
+
+
+async def test_generate_passes_the_cache_scope_to_the_engine(make_engine: EngineFactory) -> None:
+    engine = AsyncEngine(make_engine(block_size=16))
+    await engine.start()
+    ids = prompt(3, length=40)  # 2 full blocks of 16; the system prompt fills the first
+
+    async def cached_tokens(private: str) -> int:
+        scope = CacheScope(private=private, shared_tokens=16)
+        outs = [out async for out in engine.generate(ids, greedy(2), cache_scope=scope)]
+        return outs[-1].num_cached_tokens
+
+    try:
+        assert [await cached_tokens(p) for p in ("a", "b", "a")] == [0, 16, 32]
+    finally:
+        await engine.stop()

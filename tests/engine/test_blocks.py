@@ -27,9 +27,11 @@ from service.engine.blocks import (
     Block,
     BlockManager,
     BlockOp,
+    CacheScope,
     OpKind,
     SlotState,
     Tier,
+    block_namespace,
     hash_block,
     hash_blocks,
 )
@@ -52,23 +54,44 @@ def kv_values(token_ids: list[int]) -> list[int]:
     return values
 
 
-def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
+Owner = tuple[str, str | None]  # (salt, private id or None when shared within the salt)
+
+
+def block_owner(scope: CacheScope | None, index: int, block_size: int) -> Owner:
+    """Who may find block `index` of a prompt in `scope`: the policy, written out again."""
+    if scope is None:
+        return ("", None)
+    shared = scope.private is None or (index + 1) * block_size <= scope.shared_tokens
+    return (scope.salt, None if shared else scope.private)
+
+
+def owner_namespace(owner: Owner) -> str:
+    salt, private = owner
+    namespace = NAMESPACE + (f"|salt:{len(salt)}:{salt}" if salt else "")
+    return namespace + (f"|private:{len(private)}:{private}" if private is not None else "")
+
+
+def chain_hashes(
+    token_ids: list[int], block_size: int, scope: CacheScope | None = None
+) -> list[int]:
     """The content hash of every full block of `token_ids`, computed independently."""
     hashes: list[int] = []
     for i in range(len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         chunk = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(parent, chunk, NAMESPACE))
+        namespace = owner_namespace(block_owner(scope, i, block_size))
+        hashes.append(hash_block(parent, chunk, namespace))
     return hashes
 
 
-def make_seq(token_ids: list[int]) -> Sequence:
+def make_seq(token_ids: list[int], scope: CacheScope | None = None) -> Sequence:
     return Sequence(
         request_id="req",
         sample_index=0,
         token_ids=list(token_ids),
         num_prompt_tokens=len(token_ids),
         params=SamplingParams(),
+        cache_scope=scope,
     )
 
 
@@ -691,6 +714,141 @@ def test_hash_blocks_chains_every_full_block_and_ignores_the_partial_tail() -> N
     assert hash_blocks(tokens[:1], 2, NAMESPACE) == []
 
 
+# ---------------------------------------------------------------------- cache scopes
+
+HASHES_BEFORE_SCOPES = [15144478872839961911, 13569300167870941280]  # of range(1, 11), bs 4
+SCOPED_SHARED_HASH, SCOPED_PRIVATE_HASH = 15152071268033970816, 2624356586863062220
+
+
+def test_no_scope_and_the_default_scope_hash_as_before_scopes_existed() -> None:
+    tokens = list(range(1, 11))
+    assert hash_blocks(tokens, 4, NAMESPACE) == HASHES_BEFORE_SCOPES
+    assert hash_blocks(tokens, 4, NAMESPACE, None) == HASHES_BEFORE_SCOPES
+    assert hash_blocks(tokens, 4, NAMESPACE, CacheScope()) == HASHES_BEFORE_SCOPES
+    # Private only past token 8: both full blocks are shared, in the engine's own namespace.
+    scope = CacheScope(private="s", shared_tokens=8)
+    assert hash_blocks(tokens, 4, NAMESPACE, scope) == HASHES_BEFORE_SCOPES
+
+
+def test_scoped_hash_values_are_pinned_so_stored_page_maps_stay_valid() -> None:
+    scope = CacheScope(salt="tenant", private="session", shared_tokens=4)
+    shared, private = hash_blocks(list(range(1, 11)), 4, NAMESPACE, scope)
+    assert shared == SCOPED_SHARED_HASH
+    assert private == SCOPED_PRIVATE_HASH
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        None,
+        CacheScope(salt="t"),
+        CacheScope(private="s"),
+        CacheScope(salt="t", private="s", shared_tokens=5),
+        CacheScope(private="s", shared_tokens=100),
+    ],
+)
+def test_hash_blocks_in_a_scope_chains_shared_blocks_into_private_ones(
+    scope: CacheScope | None,
+) -> None:
+    tokens = list(range(1, 14))
+    assert hash_blocks(tokens, 4, NAMESPACE, scope) == chain_hashes(tokens, 4, scope)
+
+
+def test_salts_and_ids_cannot_spell_one_another() -> None:
+    """Both may come from clients: no pair may hash like another pair, or like no scope."""
+    scopes = [
+        CacheScope(salt="a"),
+        CacheScope(private="a"),
+        CacheScope(salt="a|b"),
+        CacheScope(salt="a", private="b"),
+        CacheScope(salt="a|private:1:b"),
+        CacheScope(private="salt:1:a"),
+        CacheScope(salt="a", private="b|c"),
+        CacheScope(salt="a|b", private="c"),
+        CacheScope(salt="a:", private="b"),
+    ]
+    namespaces = {block_namespace(NAMESPACE, scope, 0, 4) for scope in scopes}
+    assert len(namespaces) == len(scopes) and NAMESPACE not in namespaces
+    hashes = {hash_blocks([1, 2, 3, 4], 4, NAMESPACE, scope)[0] for scope in scopes}
+    assert len(hashes | set(hash_blocks([1, 2, 3, 4], 4, NAMESPACE))) == len(scopes) + 1
+
+
+def test_a_cache_scope_is_validated_at_construction() -> None:
+    with pytest.raises(ValueError, match="shared_tokens"):
+        CacheScope(shared_tokens=-1)
+    with pytest.raises(ValueError, match="non-empty"):
+        CacheScope(private="")
+
+
+def test_sessions_of_one_salt_share_only_blocks_wholly_inside_the_shared_part() -> None:
+    bm, kv = manager(16, 0, 4)
+    tokens = list(range(1, 15))  # [1..4] [5..8] [9..12] [13 14]
+    alice = CacheScope(private="alice", shared_tokens=6)  # the system prompt ends in block 1
+    first = make_seq(tokens, alice)
+    assert admit(bm, kv, first, chunk=14)
+    alices = list(first.block_table)
+    bm.free(first)
+
+    def hit(scope: CacheScope | None) -> int:
+        return bm.find_prefix(make_seq(tokens, scope)).num_tokens
+
+    # Block 1 holds two of alice's own tokens: only block 0 is shared with bob.
+    assert hit(CacheScope(private="bob", shared_tokens=6)) == 4
+    assert hit(alice) == 12
+    assert hit(None) == hit(CacheScope()) == 4  # unscoped requests find the shared part only
+    assert hit(CacheScope(salt="other", private="alice", shared_tokens=6)) == 0
+
+    bob = make_seq(tokens, CacheScope(private="bob", shared_tokens=6))
+    assert admit(bm, kv, bob, chunk=14)
+    assert bob.block_table[0] is alices[0]
+    assert not set(map(id, bob.block_table[1:])) & set(map(id, alices))
+    kv.assert_computed_positions_intact(bob)
+    bm.free(bob)
+    assert bm.stats().device.cached == 1 + 2 + 2  # the shared block, then two private each
+    assert bm.is_idle_balanced()
+
+
+def test_a_shared_part_ending_on_a_block_boundary_shares_that_whole_block() -> None:
+    bm, kv = manager(16, 0, 4)
+    tokens = list(range(1, 15))
+    first = make_seq(tokens, CacheScope(private="alice", shared_tokens=8))
+    assert admit(bm, kv, first, chunk=14)
+    bm.free(first)
+    assert (
+        bm.find_prefix(make_seq(tokens, CacheScope(private="bob", shared_tokens=8))).num_tokens == 8
+    )
+
+
+def test_tenants_with_different_salts_share_nothing() -> None:
+    bm, kv = manager(16, 0, 4)
+    tokens = list(range(1, 15))
+    first = make_seq(tokens, CacheScope(salt="t1"))
+    assert admit(bm, kv, first, chunk=14)
+    bm.free(first)
+
+    def hit(scope: CacheScope | None) -> int:
+        return bm.find_prefix(make_seq(tokens, scope)).num_tokens
+
+    assert hit(CacheScope(salt="t1")) == 12
+    assert hit(CacheScope(salt="t1", private="s", shared_tokens=100)) == 12
+    assert hit(CacheScope(salt="t2")) == hit(None) == hit(CacheScope(private="s")) == 0
+
+
+def test_a_fork_keeps_its_parents_scope_for_the_blocks_it_fills() -> None:
+    bm, kv = manager(16, 0, 4)
+    scope = CacheScope(private="s")
+    parent = make_seq([1, 2, 3, 4, 5, 6], scope)
+    assert admit(bm, kv, parent, chunk=6)
+    child = fork(bm, kv, parent, 1)
+    assert child.cache_scope == scope
+    assert decode(bm, kv, child, 7) and decode(bm, kv, child, 8)  # fills block 1
+    assert child.block_hashes == chain_hashes(child.token_ids, 4, scope)
+    assert bm.tier_of(chain_hashes(child.token_ids, 4, scope)[1]) is Tier.DEVICE
+    bm.free(parent)
+    bm.free(child)
+    assert bm.is_idle_balanced()
+
+
 def test_tier_of_follows_a_hashed_block_between_tiers_until_it_is_dropped() -> None:
     bm, kv = manager(2, 1, 2)
     first = make_seq([1, 2, 3])
@@ -767,8 +925,16 @@ def test_is_idle_balanced_only_once_everything_is_released() -> None:
 
 TOKENS = st.integers(0, 2)  # a tiny alphabet, so prefix hits are frequent
 INDEX = st.integers(0, 15)
+# A few tenants and sessions; "t|p" as a salt must not meet ("t", "p") as a salt and an id.
+SCOPES = st.none() | st.builds(
+    CacheScope,
+    salt=st.sampled_from(["", "t", "t|p"]),
+    private=st.sampled_from([None, "p", "q"]),
+    shared_tokens=st.integers(0, 12),
+)
 CHUNK = st.integers(1, 6)
 MAX_LIVE = 6
+SAME_SCOPE = "same"  # step_with_twin: the twin is in the running sequence's scope
 
 
 def pick(seqs: list[Sequence], index: int) -> Sequence:
@@ -787,8 +953,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.waiting: list[Sequence] = []  # holding no blocks: new, or preempted to recompute
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self.histories: list[list[int]] = []  # conversations so far, to resume later
+        # Conversations so far, with their scopes, to resume later.
+        self.histories: list[tuple[list[int], CacheScope | None]] = []
         self.hash_tokens: dict[int, list[int]] = {}  # block hash -> the tokens it covers
+        # Block hash -> who may find each block of the chain it ends (`block_owner`).
+        self.hash_owners: dict[int, tuple[Owner, ...]] = {}
+        self.scopes: dict[int, CacheScope | None] = {}  # seq_id -> the scope it was given
         self.seen: dict[int, Block] = {}  # every block handle that may still hold content
 
     @property
@@ -833,10 +1003,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @precondition(lambda self: len(self.live) < MAX_LIVE)
-    @rule(suffix=st.lists(TOKENS, min_size=1, max_size=8), index=INDEX, resume=st.booleans())
-    def new_request(self, suffix: list[int], index: int, resume: bool) -> None:
-        """A new prompt, or a conversation resumed: an earlier one's tokens plus more."""
-        self.waiting.append(make_seq(self._prompt(suffix, index, resume)))
+    @rule(
+        suffix=st.lists(TOKENS, min_size=1, max_size=8),
+        index=INDEX,
+        resume=st.booleans(),
+        scope=SCOPES,
+    )
+    def new_request(
+        self, suffix: list[int], index: int, resume: bool, scope: CacheScope | None
+    ) -> None:
+        """A new prompt, or a conversation resumed: an earlier one's tokens plus more, in its
+        own scope or (another session, tenant, or a mistake) in any other."""
+        self.waiting.append(self._new_seq(*self._prompt(suffix, index, resume, scope)))
 
     @precondition(lambda self: self.waiting)
     @rule(index=INDEX, chunk=CHUNK, token=TOKENS)
@@ -870,13 +1048,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         chunk=CHUNK,
         suffix=st.lists(TOKENS, min_size=1, max_size=4),
         tokens=st.lists(TOKENS, min_size=2, max_size=2),
+        scope=st.just(SAME_SCOPE) | SCOPES,
     )
-    def step_with_twin(self, index: int, chunk: int, suffix: list[int], tokens: list[int]) -> None:
+    def step_with_twin(
+        self,
+        index: int,
+        chunk: int,
+        suffix: list[int],
+        tokens: list[int],
+        scope: CacheScope | str | None,
+    ) -> None:
         """A step that runs a sequence's next chunk and admits a prompt starting with all of
         its tokens (users sharing a system prompt, arriving together): the newcomer shares
-        the blocks that chunk fills, which the same forward computes."""
+        the blocks that chunk fills that its scope may find, which the same forward computes."""
         seq = pick(self.running, index)
-        twin = make_seq((seq.token_ids + suffix)[: self.max_len])
+        twin_scope = self.scopes[seq.seq_id] if scope == SAME_SCOPE else scope
+        assert not isinstance(twin_scope, str)
+        twin = self._new_seq((seq.token_ids + suffix)[: self.max_len], twin_scope)
         self.waiting.append(twin)
         self._step([seq], [twin], chunk, tokens)
 
@@ -898,6 +1086,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_fork(parent):
             return
         child = fork(self.bm, self.kv, parent, parent.sample_index + 1)
+        self.scopes[child.seq_id] = self.scopes[parent.seq_id]
         if child.num_uncomputed_tokens == 1 and child.num_output_tokens > 0:
             child.token_ids[-1] = token
         self.running.append(child)
@@ -946,10 +1135,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         (self.running if seq in self.running else self.swapped).remove(seq)
         self.waiting.append(seq)
 
-    @rule(suffix=st.lists(TOKENS, min_size=1, max_size=12), index=INDEX, resume=st.booleans())
-    def pressure(self, suffix: list[int], index: int, resume: bool) -> None:
+    @rule(
+        suffix=st.lists(TOKENS, min_size=1, max_size=12),
+        index=INDEX,
+        resume=st.booleans(),
+        scope=SCOPES,
+    )
+    def pressure(
+        self, suffix: list[int], index: int, resume: bool, scope: CacheScope | None
+    ) -> None:
         """A one-shot request passes through: it takes what room it can and leaves it cached."""
-        seq = make_seq(self._prompt(suffix, index, resume))
+        seq = self._new_seq(*self._prompt(suffix, index, resume, scope))
         for chunk in range(seq.num_tokens, 0, -1):
             if admit(self.bm, self.kv, seq, chunk):
                 self._finish(seq)
@@ -985,9 +1181,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for (seq, _), token in zip(batch, tokens, strict=False):
             self._sample(seq, token)
 
-    def _prompt(self, suffix: list[int], index: int, resume: bool) -> list[int]:
-        prefix = self.histories[index % len(self.histories)] if resume and self.histories else []
-        return (prefix + suffix)[: self.max_len]
+    def _new_seq(self, token_ids: list[int], scope: CacheScope | None) -> Sequence:
+        seq = make_seq(token_ids, scope)
+        self.scopes[seq.seq_id] = scope
+        return seq
+
+    def _prompt(
+        self, suffix: list[int], index: int, resume: bool, scope: CacheScope | None
+    ) -> tuple[list[int], CacheScope | None]:
+        """`suffix` alone in `scope`, or after a past conversation (in its scope when the
+        index is even, in `scope` when odd)."""
+        if not (resume and self.histories):
+            return suffix[: self.max_len], scope
+        prefix, own = self.histories[index % len(self.histories)]
+        return (prefix + suffix)[: self.max_len], own if index % 2 == 0 else scope
 
     def _sample(self, seq: Sequence, token: int) -> None:
         if seq.num_uncomputed_tokens == 0 and seq.num_tokens < self.max_len:
@@ -1000,13 +1207,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
-        self.histories.append(seq.token_ids[: seq.num_computed_tokens])
+        self.histories.append((seq.token_ids[: seq.num_computed_tokens], self.scopes[seq.seq_id]))
 
     def _observe(self, seq: Sequence) -> None:
         """Remember `seq`'s blocks and what its block hashes cover, to check them later."""
-        bs = self.bm.block_size
-        for i, h in enumerate(chain_hashes(seq.token_ids, bs)):
+        bs, scope = self.bm.block_size, self.scopes[seq.seq_id]
+        for i, h in enumerate(chain_hashes(seq.token_ids, bs, scope)):
             self.hash_tokens[h] = seq.token_ids[: (i + 1) * bs]
+            # One hash, one chain of owners: a hit never crosses a tenant or a session.
+            owners = tuple(block_owner(scope, j, bs) for j in range(i + 1))
+            assert self.hash_owners.setdefault(h, owners) == owners, "a hash with two owners"
         for block in seq.block_table:
             self.seen[id(block)] = block
 
@@ -1027,7 +1237,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert len(seq.block_table) == -(-self.max_len // bs)
             else:
                 assert len(seq.block_table) == -(-seq.num_computed_tokens // bs)
-            assert seq.block_hashes == chain_hashes(seq.token_ids, bs)[: len(seq.block_hashes)]
+            hashes = chain_hashes(seq.token_ids, bs, self.scopes[seq.seq_id])
+            assert seq.block_hashes == hashes[: len(seq.block_hashes)]
             for i, block in enumerate(seq.block_table):
                 if block.block_hash is not None:
                     assert block.block_hash == seq.block_hashes[i]

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError
 from service.engine.params import SamplingParams
 from tests.engine.conftest import EngineFactory
@@ -294,3 +295,35 @@ def test_page_map_shows_every_live_table_and_the_slots_they_hold(
     assert idle.sequences == [] and idle.num_sequences == 0
     assert set(idle.device) <= {SlotState.FREE, SlotState.CACHED}
     assert SlotState.CACHED in idle.device
+
+
+def test_sessions_with_private_scopes_share_only_the_system_prompts_blocks(
+    make_engine: EngineFactory,
+) -> None:
+    """Two sessions send the same 70 tokens, of which a 32-token system prompt (2 blocks of
+    16): the second finds only those 2 blocks, the first's next turn all 4, an unscoped
+    request the shared 2, another tenant none; the tokens are the same as alone."""
+    prompt = random_prompts(1, seed=22, lengths=(70, 70))["r0"]
+    alice = CacheScope(private="alice", shared_tokens=32)
+    bob = CacheScope(private="bob", shared_tokens=32)
+    reference = run_alone(make_engine, {"r": prompt}, max_tokens=8)["r"].token_ids
+    engine = make_engine(block_size=16)
+    turns = [
+        ("alice", alice),
+        ("bob", bob),
+        ("alice-again", alice),
+        ("unscoped", None),
+        ("tenant", CacheScope(salt="t2", private="alice", shared_tokens=32)),
+    ]
+    cached = {}
+    for rid, scope in turns:
+        engine.add_request(rid, prompt, greedy(8), cache_scope=scope)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                cached[rid] = out.num_cached_tokens
+        assert tokens == reference, rid
+    assert cached == {"alice": 0, "bob": 32, "alice-again": 64, "unscoped": 32, "tenant": 0}
+    assert engine.block_hashes(prompt, bob)[:2] == engine.block_hashes(prompt, alice)[:2]
+    assert engine.block_hashes(prompt, bob)[2:] != engine.block_hashes(prompt, alice)[2:]
