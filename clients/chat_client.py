@@ -152,14 +152,17 @@ class ChatClient:
 
     # ------------------------------------------------------------------ sessions
 
-    async def open(self, system: str | None = None) -> SessionOpened:
-        await self.send(Open(system=system))
+    async def open(self, system: str | None = None, *, api_key: str | None = None) -> SessionOpened:
+        """`api_key`: for a server with API keys, unless the socket sent `Authorization`."""
+        await self.send(Open(system=system, api_key=api_key))
         opened: SessionOpened = await self.expect(SessionOpened)
         self.session_id, self.secret = opened.session_id, opened.secret
         return opened
 
-    async def resume(self, session_id: str, secret: str) -> SessionOpened:
-        await self.send(Resume(session_id=session_id, secret=secret))
+    async def resume(
+        self, session_id: str, secret: str, *, api_key: str | None = None
+    ) -> SessionOpened:
+        await self.send(Resume(session_id=session_id, secret=secret, api_key=api_key))
         opened: SessionOpened = await self.expect(SessionOpened)
         self.session_id, self.secret = session_id, secret
         return opened

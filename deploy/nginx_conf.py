@@ -73,7 +73,8 @@ http {{
             proxy_http_version 1.1;
             proxy_set_header Upgrade $http_upgrade;
             proxy_set_header Connection $connection_upgrade;
-            proxy_set_header Host $host;
+            # The Host the browser used, port included: the server's Origin check compares them.
+            proxy_set_header Host $http_host;
             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
             # A dead replica refuses or times out the connect: try the next one on the ring.
             proxy_connect_timeout 2s;

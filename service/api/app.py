@@ -18,6 +18,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from service.api import pagemap, stats
+from service.api.auth import guarded
 from service.api.connection import ChatConnection
 from service.api.openai import ChatCompletions
 from service.api.service import ChatService
@@ -97,10 +98,12 @@ def create_app(service: ChatService) -> Starlette:
         routes=[
             WebSocketRoute("/v1/chat", chat),
             Route("/health", health),
-            Route("/v1/stats", stats_json),
-            Route("/v1/kv", kv_json),
-            Route("/v1/chat/completions", completions.create, methods=["POST"]),
-            Route("/v1/models", completions.models),
+            # API keys, when on (service.api.auth): an admin's for the server's insides, any
+            # for the model; /health and /metrics stay open (probes and scrapers).
+            Route("/v1/stats", guarded(service, stats_json, admin=True)),
+            Route("/v1/kv", guarded(service, kv_json, admin=True)),
+            Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
+            Route("/v1/models", guarded(service, completions.models)),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_view),

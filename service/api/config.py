@@ -6,7 +6,9 @@ environment variable (see `service.api.server`).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +67,12 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     lag_interval_s: float = 0.05  # the event-loop lag probe's sleep
     access_log: bool = False
+    # Who may come in (service.api.auth). No keys file: no keys, one tenant, all open.
+    api_keys_file: Path | None = None
+    # Origins whose pages may open /v1/chat besides the server's own; "*": any page.
+    allowed_origins: tuple[str, ...] = ()
+    # Peers (addresses or networks) whose X-Forwarded-For names the client; none by default.
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -72,3 +80,38 @@ class ServerConfig:
         if self.lag_interval_s <= 0:
             raise ValueError("lag_interval_s must be > 0")
         self.data_dir = Path(self.data_dir)
+        if self.api_keys_file is not None:
+            self.api_keys_file = Path(self.api_keys_file)
+        self.allowed_origins = tuple(
+            "*" if origin == "*" else normalize_origin(origin) for origin in self.allowed_origins
+        )
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy)
+            except ValueError:
+                raise ValueError(
+                    f"trusted proxy {proxy!r} is neither an IP address nor a network"
+                ) from None
+
+
+def normalize_origin(origin: str) -> str:
+    """`origin` as browsers send it in `Origin`: `scheme://host[:port]` in lower case, the
+    scheme's default port left out. ValueError for anything else (a path, "null")."""
+    try:
+        parts = urllib.parse.urlsplit(origin.strip())
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise ValueError(f"not an origin (http[s]://host[:port]): {origin!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    default = 80 if parts.scheme == "http" else 443
+    return f"{parts.scheme}://{host}" + ("" if port in (None, default) else f":{port}")

@@ -27,6 +27,7 @@ from starlette.websockets import (
     WebSocketState,
 )
 
+from service.api.auth import bearer, client_address
 from service.api.frames import (
     MSGPACK_SUBPROTOCOL,
     Cancel,
@@ -45,7 +46,7 @@ from service.api.frames import (
 )
 from service.api.turn import ClientGone, Turn
 from service.engine.params import SamplingParams
-from service.sessions.store import SessionNotFound, WrongSecret
+from service.sessions.store import SessionNotFound, SessionStore, WrongSecret
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CLOSE_SERVICE_RESTART = 1012  # RFC 6455 registry: the server is restarting
 CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_POLICY_VIOLATION = 1008
 
 
 class State(enum.Enum):
@@ -83,6 +85,9 @@ class ChatConnection:
         self.service = service
         self.state = State.CONNECTING
         self.session_id: str | None = None
+        # Set with the session: the tenant whose key opened it, and that tenant's sessions.
+        self.tenant: str | None = None
+        self.store: SessionStore | None = None
         binary = MSGPACK_SUBPROTOCOL in websocket.scope.get("subprotocols", [])
         self._codec = Codec(binary=binary)
         self._turn: Turn | None = None
@@ -96,6 +101,14 @@ class ChatConnection:
     # ------------------------------------------------------------------ lifecycle
 
     async def serve(self) -> None:
+        if not self.service.gate.origin_allowed(self.websocket.headers):
+            # A page of another site, in a visitor's browser: refused before the handshake
+            # is answered, which the client sees as HTTP 403.
+            log.info("refused a WebSocket from origin %r", self.websocket.headers.get("origin"))
+            self._move(State.CLOSED)
+            with contextlib.suppress(OSError):
+                await self.websocket.close(CLOSE_POLICY_VIOLATION)
+            return
         await self.websocket.accept(MSGPACK_SUBPROTOCOL if self._codec.binary else None)
         self._move(State.ACCEPTED)
         refusal = self.service.admit(self)
@@ -166,16 +179,20 @@ class ChatConnection:
 
     async def _open(self, frame: Open) -> None:
         service = self.service
+        key = frame.api_key or bearer(self.websocket.headers)
+        principal = service.gate.authenticate(key, client_address(self.websocket))
         limit = service.config.limits.max_system_chars
         if frame.system is not None and len(frame.system) > limit:
             raise FrameError(
                 ErrorCode.MESSAGE_TOO_LONG, f"the system prompt is over {limit} characters"
             )
+        store = service.store_for(principal.tenant)
         try:
-            new = await service.store.create(model_id=service.model_id, system=frame.system)
+            new = await store.create(model_id=service.model_id, system=frame.system)
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
         self.session_id = new.meta.session_id
+        self.tenant, self.store = principal.tenant, store
         self._move(State.READY)
         service.metrics.sessions_opened.labels("created").inc()
         await self.send(
@@ -190,18 +207,25 @@ class ChatConnection:
         )
 
     async def _resume(self, frame: Resume) -> None:
-        store = self.service.store
+        gate, address = self.service.gate, client_address(self.websocket)
+        principal = gate.authenticate(frame.api_key or bearer(self.websocket.headers), address)
+        attempt = gate.resume_attempt(address, principal.tenant, frame.session_id)
+        store = self.service.store_for(principal.tenant)
         try:
             meta = await store.authenticate(frame.session_id, frame.secret)
             _, page_map = await store.load(frame.session_id)
             messages = await store.messages(frame.session_id)
         except SessionNotFound:
+            attempt.failed()
             raise FrameError(ErrorCode.UNKNOWN_SESSION, "unknown or expired session") from None
         except WrongSecret:
+            attempt.failed()
             raise FrameError(ErrorCode.WRONG_SECRET, "wrong secret for this session") from None
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
+        attempt.succeeded()
         self.session_id = meta.session_id
+        self.tenant, self.store = principal.tenant, store
         self._move(State.READY)
         self.service.metrics.sessions_opened.labels("resumed").inc()
         await self.send(

@@ -28,6 +28,8 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"  # too many answers queued; retry later
     TOO_MANY_CONNECTIONS = "too_many_connections"
     SHUTTING_DOWN = "shutting_down"
+    UNAUTHORIZED = "unauthorized"  # API keys are on and no valid one came with open/resume
+    TOO_MANY_ATTEMPTS = "too_many_attempts"  # failed too often lately; retry_after_s says when
     STORAGE_UNAVAILABLE = "storage_unavailable"  # Redis failed; nothing was saved
     INTERNAL = "internal"
 
@@ -58,13 +60,16 @@ class _ClientFrame(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknow
     pass
 
 
-class Open(_ClientFrame, tag="open"):
+# omit_defaults: a frame without a key encodes as before keys, for servers of that time.
+class Open(_ClientFrame, tag="open", omit_defaults=True):
     system: str | None = None  # None: the model's default system prompt
+    api_key: str | None = None  # for browsers; others may send `Authorization: Bearer`
 
 
-class Resume(_ClientFrame, tag="resume"):
+class Resume(_ClientFrame, tag="resume", omit_defaults=True):
     session_id: str
     secret: str
+    api_key: str | None = None  # as in Open
 
 
 class User(_ClientFrame, tag="user"):
@@ -128,10 +133,11 @@ class Done(_ServerFrame, tag="done"):
     timing: Timing
 
 
-class Error(_ServerFrame, tag="error"):
+class Error(_ServerFrame, tag="error", omit_defaults=True):
     code: ErrorCode
     message: str
-    fatal: bool = False  # the server closes the connection after a fatal error
+    fatal: bool  # the server closes the connection after a fatal error
+    retry_after_s: float | None = None  # too_many_attempts: seconds until a retry is heard
 
 
 ServerFrame = SessionOpened | Delta | Done | Error
@@ -140,14 +146,27 @@ ServerFrame = SessionOpened | Delta | Done | Error
 class FrameError(Exception):
     """A frame the server refuses; becomes an error frame."""
 
-    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        fatal: bool = False,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.fatal = fatal
+        self.retry_after_s = retry_after_s
 
     def frame(self) -> Error:
-        return Error(code=self.code, message=self.message, fatal=self.fatal)
+        return Error(
+            code=self.code,
+            message=self.message,
+            fatal=self.fatal,
+            retry_after_s=self.retry_after_s,
+        )
 
 
 class Codec:

@@ -48,6 +48,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None  # accepted, unused
+    # vLLM's: a secret string salting this request's prefix-cache blocks, so that only
+    # requests with the same salt (and tenant) share them. Non-empty when given.
+    cache_salt: str | None = None
     # Accepted only at their neutral values, so a client that sends the defaults still works.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -99,6 +102,8 @@ def decode_request(body: bytes, model_id: str) -> ChatCompletionRequest:
             raise invalid(f"{name} is not supported (only 0)", name, "unsupported_value")
     if req.logprobs:
         raise invalid("logprobs are not supported here", "logprobs", "unsupported_value")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise invalid("cache_salt must be a non-empty string", "cache_salt")
     return req
 
 

@@ -42,6 +42,11 @@ def _flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
     )
 
 
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list: "a, b," -> ("a", "b")."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     e, lim = EngineConfig(), Limits()
     opt = _option
@@ -89,6 +94,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt(parser, "max-tokens-limit", int, lim.max_tokens, "the most max_tokens may be")
     opt(parser, "session-ttl", int, lim.session_ttl_s, "seconds a session lives after its use")
     opt(parser, "drain-timeout", float, lim.drain_timeout_s, "seconds answers get at shutdown")
+    opt(
+        parser,
+        "api-keys-file",
+        Path,
+        None,
+        "API keys, one `KEY TENANT [admin]` a line (docs/protocol.md); none: all open",
+    )
+    opt(
+        parser,
+        "allowed-origins",
+        _names,
+        (),
+        "comma-separated origins whose pages may open /v1/chat besides this server's ('*': any)",
+    )
+    opt(
+        parser,
+        "trusted-proxies",
+        _names,
+        (),
+        "comma-separated proxy addresses or networks whose X-Forwarded-For names the client",
+    )
     opt(parser, "log-level", str, "info", "debug | info | warning | error")
     _flag(parser, "access-log", "log every HTTP request and WebSocket")
 
@@ -132,4 +158,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         limits=limits,
         access_log=args.access_log,
+        api_keys_file=args.api_keys_file,
+        allowed_origins=args.allowed_origins,
+        trusted_proxies=args.trusted_proxies,
     )

@@ -12,6 +12,7 @@ import argparse
 import logging
 import signal
 import socket
+import sys
 
 import uvicorn
 
@@ -44,6 +45,10 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         ws_max_size=config.limits.ws_max_size,
         lifespan="on",
         access_log=config.access_log,
+        # X-Forwarded-For names the client only from a --trusted-proxies peer (uvicorn would
+        # trust 127.0.0.1 by default, letting any local process pick its address).
+        proxy_headers=bool(config.trusted_proxies),
+        forwarded_allow_ips=list(config.trusted_proxies),
         log_config=None,
         timeout_graceful_shutdown=int(config.limits.drain_timeout_s) + 10,
     )
@@ -54,7 +59,11 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    server = build_server(config_from_args(args))
+    try:
+        server = build_server(config_from_args(args))
+    except ValueError as exc:  # a setting out of range, an unusable API keys file
+        sys.stderr.write(f"pagechat serve: {exc}\n")
+        return 2
     # uvicorn re-raises the signal that stopped it after shutting down, which would end the
     # process by that signal; absorb it so the exit status says whether shutdown was clean.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from service.api.auth import DEFAULT_TENANT, Gate
 from service.api.config import ServerConfig
 from service.api.frames import ErrorCode, FrameError
 from service.api.loop_lag import LoopLagMonitor
@@ -36,6 +37,8 @@ class ChatService:
         self._loaded = loaded  # a model already in memory (tests share one across servers)
         self._engine: AsyncEngine | None = None
         self._store: SessionStore | None = None
+        self._tenant_stores: dict[str, SessionStore] = {}  # store_for: the other tenants
+        self.gate = Gate.from_config(config)  # API keys, origins, the failed-attempt limiter
         self._chat_format: ChatFormat | None = None
         self._embedded: EmbeddedRedis | None = None
         self.metrics = Metrics(lambda: self.engine.stats())
@@ -64,6 +67,27 @@ class ChatService:
         if self._store is None:
             raise RuntimeError("the service is not started")
         return self._store
+
+    def store_for(self, tenant: str) -> SessionStore:
+        """`tenant`'s sessions: a key space of its own over the same Redis client.
+
+        NOTE: the default tenant keeps the plain prefix, so sessions made before API keys
+        were on stay valid; another's keys are `{prefix}t:{tenant}:session:...`. Neither a
+        tenant's name (auth._TENANT) nor a session id holds a ':', so key spaces never meet.
+        """
+        if tenant == DEFAULT_TENANT:
+            return self.store
+        store = self._tenant_stores.get(tenant)
+        if store is None:
+            base = self.store
+            store = SessionStore(
+                base._redis,  # shared, and closed once, with the default store
+                prefix=f"{base.prefix}t:{tenant}:",
+                ttl_s=base.ttl_s,
+                replica=base.replica,
+            )
+            self._tenant_stores[tenant] = store
+        return store
 
     @property
     def chat_format(self) -> ChatFormat:

@@ -74,3 +74,12 @@ def test_requests_this_server_cannot_serve_are_refused(body: str, code: str) -> 
     with pytest.raises(OpenAIError) as caught:
         decode(body)
     assert caught.value.code == code
+
+
+def test_cache_salt_is_kept_and_must_not_be_empty() -> None:
+    req = decode_request(b'{"messages": [], "cache_salt": "s3cret-salt"}', MODEL)
+    assert req.cache_salt == "s3cret-salt"
+    assert decode_request(b'{"messages": []}', MODEL).cache_salt is None
+    with pytest.raises(OpenAIError) as refused:
+        decode_request(b'{"messages": [], "cache_salt": ""}', MODEL)
+    assert (refused.value.status, refused.value.param) == (400, "cache_salt")

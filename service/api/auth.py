@@ -1,0 +1,361 @@
+"""Who may come in: API keys naming tenants, the Origin rule for browsers' WebSockets, and a
+limiter that slows the guessing of keys and session secrets (docs/protocol.md, "Access").
+
+Keys file (`--api-keys-file`): one key a line, `KEY TENANT [admin]`, fields apart by
+whitespace; blank lines and lines starting with `#` are skipped. KEY is at least 16
+characters, or `sha256:` and the key's SHA-256 in hex (so the file need not hold the key);
+TENANT is 1..64 of `A-Z a-z 0-9 _ . -`; `admin` opens /v1/stats and /v1/kv too.
+Without a keys file everyone is the tenant "default", with every right, as before keys.
+
+NOTE (keys): only SHA-256 digests are held, and a key is compared with every digest in
+constant time, so the time taken says nothing about which key, or how much of one, matched.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
+
+from service.api.config import normalize_origin
+from service.api.frames import ErrorCode, FrameError
+from service.api.openai_request import OpenAIError
+
+if TYPE_CHECKING:
+    from service.api.config import ServerConfig
+    from service.api.service import ChatService
+
+DEFAULT_TENANT = "default"
+MIN_KEY_CHARS = 16
+_TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
+_MAX_SUBJECT_CHARS = 160  # a subject longer than any real one is cut (it can never succeed)
+
+
+@dataclass(slots=True, frozen=True)
+class Principal:
+    """Whom a key speaks for."""
+
+    tenant: str
+    admin: bool
+
+
+OPEN = Principal(DEFAULT_TENANT, admin=True)  # everyone, when keys are off
+
+
+# ---------------------------------------------------------------------- the keys file
+
+
+class KeysFileError(ValueError):
+    """A keys file that cannot be used; the message names the file and the line."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeys:
+    def __init__(self, digests: dict[bytes, Principal]) -> None:
+        if not digests:
+            raise ValueError("no API keys")
+        self._digests = list(digests.items())
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    @classmethod
+    def load(cls, path: Path) -> ApiKeys:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeysFileError(f"{path}: cannot read the API keys file: {exc}") from None
+        return cls.parse(text, str(path))
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> ApiKeys:
+        digests: dict[bytes, Principal] = {}
+        lines: dict[bytes, int] = {}  # where each key was first given
+        for number, line in enumerate(text.splitlines(), start=1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            try:
+                digest, principal = _entry(fields)
+                if digest in lines:
+                    raise ValueError(f"the same key as line {lines[digest]}")
+            except ValueError as exc:
+                raise KeysFileError(f"{source}:{number}: {exc}") from None
+            lines[digest] = number
+            digests[digest] = principal
+        if not digests:
+            raise KeysFileError(f"{source}: no API keys in the file")
+        return cls(digests)
+
+    def lookup(self, key: str) -> Principal | None:
+        digest = _digest(key)
+        found = None
+        for known, principal in self._digests:  # every one, whatever matches: see NOTE (keys)
+            if hmac.compare_digest(known, digest):
+                found = principal
+        return found
+
+
+def _entry(fields: list[str]) -> tuple[bytes, Principal]:
+    """One line's key digest and principal; ValueError saying what is wrong (never the key)."""
+    if len(fields) not in (2, 3):
+        raise ValueError(f"expected `KEY TENANT [admin]`, got {len(fields)} fields")
+    key, tenant, *flag = fields
+    if flag and flag != ["admin"]:
+        raise ValueError(f"the third field may only be `admin`, not {flag[0]!r}")
+    if not _TENANT.fullmatch(tenant):
+        raise ValueError(f"tenant {tenant!r} is not 1..64 of A-Z a-z 0-9 _ . -")
+    if match := _DIGEST.fullmatch(key):
+        return bytes.fromhex(match.group(1)), Principal(tenant, admin=bool(flag))
+    if key.startswith("sha256:"):
+        raise ValueError("a `sha256:` key needs 64 hex digits after the colon")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"the key has {len(key)} characters; at least {MIN_KEY_CHARS}")
+    return _digest(key), Principal(tenant, admin=bool(flag))
+
+
+# ---------------------------------------------------------------------- the limiter
+
+
+@dataclass(slots=True)
+class _Failures:
+    count: int
+    last: float  # when the latest failure was
+    until: float  # refused until then
+
+
+class AttemptLimiter:
+    """Failed attempts per subject (a client address, or a session), with backoff.
+
+    NOTE (policy): the first `free` failures cost nothing; the n-th after them refuses the
+    subject for `base_s * 2**(n - 1)` seconds, at most `cap_s`. A refused attempt is not
+    checked at all, so it neither counts nor lengthens the wait. A subject's failures are
+    forgotten `window_s` after its latest one, or when it succeeds.
+    NOTE (memory): at most `max_subjects` subjects; when full, the one whose latest failure
+    is oldest is dropped (the table is kept in that order).
+    """
+
+    def __init__(
+        self,
+        *,
+        free: int = 5,
+        base_s: float = 1.0,
+        cap_s: float = 300.0,
+        window_s: float = 900.0,
+        max_subjects: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if free < 0 or base_s <= 0 or cap_s < base_s or window_s < cap_s or max_subjects < 1:
+            raise ValueError("need free >= 0, 0 < base_s <= cap_s <= window_s, max_subjects >= 1")
+        self.free, self.base_s, self.cap_s, self.window_s = free, base_s, cap_s, window_s
+        self.max_subjects = max_subjects
+        self._clock = clock
+        self._failures: collections.OrderedDict[str, _Failures] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._failures)
+
+    def retry_after(self, subject: str) -> float | None:
+        """Seconds until `subject` may try again, or None if it may now."""
+        record = self._failures.get(subject[:_MAX_SUBJECT_CHARS])
+        if record is None:
+            return None
+        wait = record.until - self._clock()
+        return wait if wait > 0 else None
+
+    def fail(self, subject: str) -> None:
+        subject = subject[:_MAX_SUBJECT_CHARS]
+        now = self._clock()
+        record = self._failures.pop(subject, None)
+        if record is None or now - record.last > self.window_s:
+            record = _Failures(count=0, last=now, until=now)
+        record.count += 1
+        record.last = now
+        over = record.count - self.free
+        if over > 0:
+            record.until = now + min(self.cap_s, self.base_s * 2 ** min(over - 1, 32))
+        self._failures[subject] = record  # now the newest
+        while len(self._failures) > self.max_subjects:
+            self._failures.popitem(last=False)
+
+    def forget(self, subject: str) -> None:
+        self._failures.pop(subject[:_MAX_SUBJECT_CHARS], None)
+
+
+# ---------------------------------------------------------------------- the gate
+
+
+def bearer(headers: Headers) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header."""
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def client_address(connection: HTTPConnection) -> str:
+    """The client's address: the peer, or, from a `--trusted-proxies` peer, the last address
+    before the trusted ones in X-Forwarded-For (uvicorn's proxy headers, set up by
+    service.api.server from the same option)."""
+    return connection.client.host if connection.client is not None else "unknown"
+
+
+class ResumeAttempt:
+    """One resume's standing with the limiter: per client address and per session."""
+
+    def __init__(self, gate: Gate, address: str, tenant: str, session_id: str) -> None:
+        self._gate = gate
+        self._address = address
+        self._session = f"{tenant}/{session_id}"  # ids are per tenant
+
+    def check(self) -> None:
+        """FrameError(too_many_attempts) while the address or the session is refused."""
+        self._gate.check(self._address, self._session)
+
+    def failed(self) -> None:
+        """A wrong secret, or an unknown session (so probing ids is slowed too)."""
+        self._gate.addresses.fail(self._address)
+        self._gate.sessions.fail(self._session)
+
+    def succeeded(self) -> None:
+        # NOTE: the address keeps its count: a client must not wipe its failures by opening
+        # a session of its own between guesses.
+        self._gate.sessions.forget(self._session)
+
+
+class Gate:
+    def __init__(
+        self,
+        keys: ApiKeys | None,
+        *,
+        allowed_origins: tuple[str, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.keys = keys
+        self.allowed_origins = frozenset(allowed_origins)  # normalized (ServerConfig)
+        self.addresses = AttemptLimiter(clock=clock)
+        self.sessions = AttemptLimiter(clock=clock)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> Gate:
+        """The gate `config` asks for; KeysFileError for an unusable keys file."""
+        path = config.api_keys_file
+        keys = ApiKeys.load(path) if path is not None else None
+        return cls(keys, allowed_origins=config.allowed_origins)
+
+    def check(self, address: str, session: str | None = None) -> None:
+        waits = [self.addresses.retry_after(address)]
+        if session is not None:
+            waits.append(self.sessions.retry_after(session))
+        wait = max((w for w in waits if w is not None), default=None)
+        if wait is not None:
+            raise FrameError(
+                ErrorCode.TOO_MANY_ATTEMPTS,
+                f"too many failed attempts; retry in {math.ceil(wait)} s",
+                retry_after_s=round(wait, 3),
+            )
+
+    def authenticate(self, key: str | None, address: str) -> Principal:
+        """Whom `key` speaks for; FrameError (unauthorized, too_many_attempts) if no one.
+
+        A wrong key counts against the address; a missing one does not (it guesses nothing).
+        """
+        if self.keys is None:
+            return OPEN
+        self.check(address)
+        if key is None:
+            raise FrameError(
+                ErrorCode.UNAUTHORIZED,
+                "this server needs an API key: `Authorization: Bearer KEY`, or `api_key` in "
+                "open/resume",
+            )
+        principal = self.keys.lookup(key)
+        if principal is None:
+            self.addresses.fail(address)
+            raise FrameError(ErrorCode.UNAUTHORIZED, "the API key is not valid")
+        return principal
+
+    def resume_attempt(self, address: str, tenant: str, session_id: str) -> ResumeAttempt:
+        attempt = ResumeAttempt(self, address, tenant, session_id)
+        attempt.check()
+        return attempt
+
+    def origin_allowed(self, headers: Headers) -> bool:
+        """May a WebSocket handshake with these headers go on? Yes without `Origin` (not a
+        browser), for the server's own origin (`Origin`'s host:port is `Host`), and for the
+        allowed ones; no for any other, "null" included."""
+        origin = headers.get("origin")
+        if origin is None or "*" in self.allowed_origins:
+            return True
+        try:
+            origin = normalize_origin(origin)
+        except ValueError:
+            return False
+        if origin in self.allowed_origins:
+            return True
+        scheme = origin.partition("://")[0]
+        try:  # the Host header as an origin of the same scheme, default port left out
+            own = normalize_origin(f"{scheme}://{headers.get('host', '')}")
+        except ValueError:
+            return False
+        return origin == own
+
+
+# ---------------------------------------------------------------------- HTTP
+
+
+_STATUS = {ErrorCode.UNAUTHORIZED: 401, ErrorCode.TOO_MANY_ATTEMPTS: 429}
+_OPENAI_CODE = {ErrorCode.UNAUTHORIZED: "invalid_api_key"}
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(service: ChatService, endpoint: Endpoint, *, admin: bool = False) -> Endpoint:
+    """`endpoint` behind the API keys (an admin key if `admin`), refusing in OpenAI's error
+    shape: 401 without a valid key, 403 for a key that is not an admin's, 429 while the
+    address is refused. The caller's principal is `principal_of(request)`."""
+
+    async def guard(request: Request) -> Response:
+        try:
+            principal = service.gate.authenticate(bearer(request.headers), client_address(request))
+        except FrameError as exc:
+            return _refusal(service, exc)
+        if admin and not principal.admin:
+            error = OpenAIError(403, "this endpoint needs an admin key", "permission_denied")
+            service.metrics.errors.labels(error.code).inc()
+            return error.response()
+        request.state.principal = principal
+        return await endpoint(request)
+
+    return guard
+
+
+def principal_of(request: Request) -> Principal:
+    """Whom a `guarded` request speaks for."""
+    principal: Principal = request.state.principal
+    return principal
+
+
+def _refusal(service: ChatService, exc: FrameError) -> Response:
+    service.metrics.errors.labels(exc.code.value).inc()
+    error = OpenAIError(_STATUS[exc.code], exc.message, _OPENAI_CODE.get(exc.code, exc.code.value))
+    response = error.response()
+    if exc.code is ErrorCode.UNAUTHORIZED:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    if exc.retry_after_s is not None:
+        response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
+    return response
