@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -28,6 +29,7 @@ _json = msgspec.json.Encoder()
 WEB = Path(__file__).with_name("web")
 # A page map waits for the step in flight to end; a step takes well under this.
 PAGE_MAP_TIMEOUT_S = 10.0
+MAX_LAG_WINDOW_S = 600.0  # the loop-lag monitor keeps this long (LoopLagMonitor.keep_s)
 
 
 def create_app(service: ChatService) -> Starlette:
@@ -44,6 +46,8 @@ def create_app(service: ChatService) -> Starlette:
 
     async def health(request: Request) -> Response:
         problems = []
+        if service.engine_failure is not None:
+            problems.append(f"engine failed: {service.engine_failure!r}")
         if service.draining:
             problems.append("shutting down")
         try:
@@ -58,7 +62,12 @@ def create_app(service: ChatService) -> Starlette:
         try:
             window = float(request.query_params.get("lag_window_s", "60"))
         except ValueError:
-            return JSONResponse({"error": "lag_window_s must be a number"}, status_code=400)
+            window = math.nan
+        if not 0 < window <= MAX_LAG_WINDOW_S:  # refuses nan and inf too
+            return JSONResponse(
+                {"error": f"lag_window_s must be a number of seconds in (0, {MAX_LAG_WINDOW_S:g}]"},
+                status_code=400,
+            )
         body = _json.encode(stats.collect(service, lag_window_s=window))
         return Response(body, media_type="application/json")
 

@@ -359,3 +359,12 @@ def _refusal(service: ChatService, exc: FrameError) -> Response:
     if exc.retry_after_s is not None:
         response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
     return response
+
+
+def cache_salt_for(tenant: str, cache_salt: str | None = None) -> str:
+    """The prefix-cache salt of a tenant's requests (CacheScope.salt): tenants never share a
+    block, and neither do requests of one tenant with different `cache_salt`s. The default
+    tenant without a salt keeps "", so its hashes are those stored before tenants existed."""
+    if tenant == DEFAULT_TENANT and cache_salt is None:
+        return ""
+    return f"tenant:{len(tenant)}:{tenant}|salt:{cache_salt or ''}"

@@ -33,6 +33,10 @@ class Limits:
     max_tokens: int = 2048  # the most a user message may ask for
     session_ttl_s: int = 7 * 24 * 3600  # Redis keys expire this long after the last activity
     drain_timeout_s: float = 10.0  # on shutdown, answers get this long to finish
+    # A client that lets this many frames queue up, or leaves one unread this long, is dropped
+    # (its answer is stored as far as it got).
+    send_queue_frames: int = 1024
+    send_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -44,6 +48,7 @@ class Limits:
             "default_max_tokens",
             "max_tokens",
             "session_ttl_s",
+            "send_queue_frames",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -53,12 +58,15 @@ class Limits:
             raise ValueError("default_max_tokens must be <= max_tokens")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if not self.send_timeout_s > 0:
+            raise ValueError("send_timeout_s must be > 0")
 
 
 @dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (logged at start-up)
+    uds: str | None = None  # a Unix socket to listen on instead (behind a local proxy)
     redis_url: str | None = None  # None: an embedded Redis persisting under data_dir
     redis_prefix: str = "pagechat:"
     data_dir: Path = Path("data")
@@ -67,6 +75,9 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     lag_interval_s: float = 0.05  # the event-loop lag probe's sleep
     access_log: bool = False
+    # Who shares prefix-cache blocks within a tenant: "session" (default): across sessions
+    # only the template's prefix and the system prompt; "global": everything, as before.
+    prefix_cache_scope: str = "session"
     # Who may come in (service.api.auth). No keys file: no keys, one tenant, all open.
     api_keys_file: Path | None = None
     # Origins whose pages may open /v1/chat besides the server's own; "*": any page.
@@ -77,6 +88,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in 0..65535")
+        if self.prefix_cache_scope not in ("session", "global"):
+            raise ValueError("prefix_cache_scope must be session or global")
         if self.lag_interval_s <= 0:
             raise ValueError("lag_interval_s must be > 0")
         self.data_dir = Path(self.data_dir)

@@ -20,12 +20,8 @@ import time
 from typing import TYPE_CHECKING
 
 import redis.exceptions
-from starlette.websockets import (
-    WebSocket,
-    WebSocketDisconnect,
-    WebSocketDisconnected,
-    WebSocketState,
-)
+from starlette.types import Message
+from starlette.websockets import WebSocket, WebSocketState
 
 from service.api.auth import bearer, client_address
 from service.api.frames import (
@@ -44,7 +40,8 @@ from service.api.frames import (
     SessionOpened,
     User,
 )
-from service.api.turn import ClientGone, Turn
+from service.api.sender import ClientGone, FrameSender
+from service.api.turn import Turn
 from service.engine.params import SamplingParams
 from service.sessions.store import SessionNotFound, SessionStore, WrongSecret
 
@@ -56,6 +53,11 @@ log = logging.getLogger(__name__)
 CLOSE_SERVICE_RESTART = 1012  # RFC 6455 registry: the server is restarting
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_POLICY_VIOLATION = 1008
+# The close code that follows each fatal error (docs/protocol.md's error table).
+_CLOSE_CODE = {
+    ErrorCode.SHUTTING_DOWN: CLOSE_SERVICE_RESTART,
+    ErrorCode.TOO_MANY_CONNECTIONS: CLOSE_TRY_AGAIN_LATER,
+}
 
 
 class State(enum.Enum):
@@ -92,6 +94,7 @@ class ChatConnection:
         self._codec = Codec(binary=binary)
         self._turn: Turn | None = None
         self._turn_task: asyncio.Task[None] | None = None
+        self._sender: FrameSender | None = None  # after the handshake: every frame goes here
 
     def _move(self, to: State) -> None:
         if to not in _NEXT[self.state]:
@@ -111,6 +114,13 @@ class ChatConnection:
             return
         await self.websocket.accept(MSGPACK_SUBPROTOCOL if self._codec.binary else None)
         self._move(State.ACCEPTED)
+        limits = self.service.config.limits
+        self._sender = FrameSender(
+            self.websocket,
+            self._codec,
+            max_frames=limits.send_queue_frames,
+            timeout_s=limits.send_timeout_s,
+        )
         refusal = self.service.admit(self)
         try:
             if refusal is not None:
@@ -123,6 +133,7 @@ class ChatConnection:
             pass
         finally:
             await self._end(FinishReason.DISCONNECTED)
+            await self._sender.stop()
 
     async def shutdown(self) -> None:
         """Server shutdown: end the answer (stored, reported), say why, close."""
@@ -149,16 +160,34 @@ class ChatConnection:
     async def _read_frames(self) -> None:
         limits = self.service.config.limits
         while True:
-            message = await self.websocket.receive()
-            if message["type"] == "websocket.disconnect":
+            message = await self._receive()
+            if message is None or message["type"] == "websocket.disconnect":
                 return
             try:
                 frame = self._codec.decode(
                     message.get("text"), message.get("bytes"), limits.max_frame_bytes
                 )
                 await self._dispatch(frame, time.monotonic())
-            except FrameError as exc:  # a refused frame never ends the connection
+            except FrameError as exc:  # a refused frame ends the connection only if fatal
                 await self._send_error(exc)
+                if exc.fatal:
+                    await self._close(_CLOSE_CODE.get(exc.code, CLOSE_POLICY_VIOLATION))
+                    return
+
+    async def _receive(self) -> Message | None:
+        """The next message from the client; None once the sender has dropped it (too slow
+        to read, or its socket failed), so that the connection ends."""
+        receive = asyncio.ensure_future(self.websocket.receive())
+        gone = asyncio.ensure_future(self.sender.wait_gone())
+        try:
+            await asyncio.wait({receive, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not receive.done():
+                receive.cancel()
+        if receive.done() and not receive.cancelled():
+            return receive.result()
+        return None
 
     # ------------------------------------------------------------------ frames
 
@@ -259,14 +288,27 @@ class ChatConnection:
         if refusal is not None:
             raise refusal
         self._move(State.STREAMING)
+        assert self.store is not None and self.tenant is not None  # set with the session
         turn = Turn(
-            self.service, self.session_id, frame.content, params, received=received, send=self.send
+            self.service,
+            self.store,
+            self.tenant,
+            self.session_id,
+            frame.content,
+            params,
+            received=received,
+            send=self.send,
         )
         self._turn = turn
         self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
 
     def _params(self, sampling: Sampling) -> SamplingParams:
         limits = self.service.config.limits
+        if sampling.max_tokens is not None and sampling.max_tokens < 1:
+            # 0 is no answer at all, never "the default": that is what leaving it out means.
+            raise FrameError(
+                ErrorCode.INVALID_PARAMS, "max_tokens must be >= 1 (omit it for the default)"
+            )
         max_tokens = sampling.max_tokens or limits.default_max_tokens
         if max_tokens > limits.max_tokens:
             raise FrameError(
@@ -305,12 +347,15 @@ class ChatConnection:
 
     # ------------------------------------------------------------------ sending
 
+    @property
+    def sender(self) -> FrameSender:
+        if self._sender is None:
+            raise RuntimeError("the connection is not accepted")
+        return self._sender
+
     async def send(self, frame: ServerFrame) -> None:
-        """Send one frame; a closed socket raises ClientGone."""
-        try:
-            await self.websocket.send(self._codec.encode(frame))
-        except (WebSocketDisconnect, WebSocketDisconnected, OSError) as exc:
-            raise ClientGone() from exc
+        """Queue one frame for the client; ClientGone once it is gone or too slow to read."""
+        await self.sender.send(frame)
 
     async def _send_error(self, exc: FrameError) -> None:
         self.service.metrics.errors.labels(exc.code.value).inc()
@@ -321,7 +366,5 @@ class ChatConnection:
             await self._send_error(exc)
 
     async def _close(self, code: int) -> None:
-        try:
-            await self.websocket.close(code)
-        except (WebSocketDisconnect, WebSocketDisconnected, OSError) as exc:
-            raise ClientGone() from exc
+        """Send what is queued, then the close frame."""
+        await self.sender.close(code)

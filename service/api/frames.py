@@ -39,7 +39,8 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or the model's context
     CANCELLED = "cancelled"  # the client sent cancel
     SHUTDOWN = "shutdown"  # the server stopped before the answer finished
-    DISCONNECTED = "disconnected"  # the client went away (stored, never sent)
+    DISCONNECTED = "disconnected"  # the client went away or stopped reading (stored, never sent)
+    ERROR = "error"  # the server failed mid-answer (stored as far as it got; an error follows)
 
 
 # ---------------------------------------------------------------------- client -> server

@@ -24,6 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from service.api.auth import cache_salt_for, principal_of
 from service.api.frames import ErrorCode, FrameError
 from service.api.openai_request import (
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from service.api.openai_request import (
 )
 from service.api.sse import EventStream, until_disconnected
 from service.engine.async_engine import EngineDeadError
+from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from service.engine.sequence import FinishReason
@@ -85,7 +87,8 @@ class ChatCompletions:
         refused = self.service.begin_turn(key)
         if refused is not None:
             return self._error(_refusal(refused))
-        completion = _Completion(self.service, req, prompt, params, key, received)
+        scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
+        completion = _Completion(self.service, req, prompt, params, key, received, scope)
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
@@ -106,6 +109,13 @@ class ChatCompletions:
     def _error(self, exc: OpenAIError) -> Response:
         self.service.metrics.errors.labels(exc.code).inc()
         return exc.response()
+
+
+def http_cache_scope(tenant: str, cache_salt: str | None) -> CacheScope:
+    """Requests carry whole conversations, so a resent conversation hits the cache only if
+    requests share it: they do, within their tenant and their `cache_salt` (vLLM's field),
+    which a client sets to keep its prompts from other clients of the same tenant."""
+    return CacheScope(salt=cache_salt_for(tenant, cache_salt))
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -140,8 +150,10 @@ class _Completion:
         params: SamplingParams,
         key: str,
         received: float,  # time.monotonic() when the request arrived
+        scope: CacheScope | None,
     ) -> None:
         self.service = service
+        self.scope = scope
         self.req = req
         self.prompt = prompt
         self.params = params
@@ -172,7 +184,9 @@ class _Completion:
             metrics.turns.labels("disconnected").inc(self.params.n - finished)
 
     def _outputs(self) -> AsyncIterator[RequestOutput]:
-        return self.service.engine.generate(self.prompt, self.params, request_id=f"{self.key}/0")
+        return self.service.engine.generate(
+            self.prompt, self.params, request_id=f"{self.key}/0", cache_scope=self.scope
+        )
 
     def usage(self) -> dict[str, Any]:
         cached = self.last.num_cached_tokens + self.last.num_swapped_in_tokens if self.last else 0

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt = _option
     opt(parser, "host", str, "127.0.0.1", "interface to listen on")
     opt(parser, "port", int, 8000, "port (0: any free port)")
+    opt(parser, "uds", str, None, "listen on this Unix socket instead of --host/--port")
     opt(parser, "model", str, None, "GGUF file or HF directory (default: bundled SmolLM2-135M)")
     opt(
         parser,
@@ -81,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt(parser, "max-num-batched-tokens", int, e.max_num_batched_tokens, "tokens per step")
     opt(parser, "preemption-mode", str, e.preemption_mode.value, "swap | recompute")
     _flag(parser, "no-prefix-caching", "disable the prefix cache")
+    opt(
+        parser,
+        "prefix-cache-scope",
+        str,
+        "session",
+        "session: sessions share only system-prompt blocks | global: sessions share all",
+    )
     opt(parser, "redis-url", str, None, "Redis server (default: embedded, under --data-dir)")
     opt(parser, "redis-prefix", str, "pagechat:", "prefix of every Redis key")
     opt(parser, "data-dir", Path, Path("data"), "where the embedded Redis persists")
@@ -94,6 +102,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt(parser, "max-tokens-limit", int, lim.max_tokens, "the most max_tokens may be")
     opt(parser, "session-ttl", int, lim.session_ttl_s, "seconds a session lives after its use")
     opt(parser, "drain-timeout", float, lim.drain_timeout_s, "seconds answers get at shutdown")
+    opt(
+        parser,
+        "send-queue-frames",
+        int,
+        lim.send_queue_frames,
+        "frames queued for a slow client before it is dropped",
+    )
+    opt(
+        parser,
+        "send-timeout",
+        float,
+        lim.send_timeout_s,
+        "seconds a client may leave a frame unread before it is dropped",
+    )
     opt(
         parser,
         "api-keys-file",
@@ -147,10 +169,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens_limit,
         session_ttl_s=args.session_ttl,
         drain_timeout_s=args.drain_timeout,
+        send_queue_frames=args.send_queue_frames,
+        send_timeout_s=args.send_timeout,
     )
     return ServerConfig(
         host=args.host,
         port=args.port,
+        uds=args.uds,
         redis_url=args.redis_url,
         redis_prefix=args.redis_prefix,
         data_dir=args.data_dir,
@@ -158,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         limits=limits,
         access_log=args.access_log,
+        prefix_cache_scope=args.prefix_cache_scope,
         api_keys_file=args.api_keys_file,
         allowed_origins=args.allowed_origins,
         trusted_proxies=args.trusted_proxies,

@@ -22,11 +22,21 @@ from service.api.options import config_from_args
 from service.api.service import ChatService
 from service.engine.loader import LoadedModel
 
+# The exit status when the engine thread died: distinct from 1 (an unclean stop) so that a
+# supervisor's logs tell the two apart; either way it restarts the process.
+EXIT_ENGINE_FAILED = 3
+
 
 class PagechatServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, service: ChatService) -> None:
         super().__init__(config)
         self.service = service
+        self.exit_code: int | None = None  # set when the server stops itself
+        service.on_fatal = self._engine_failed
+
+    def _engine_failed(self) -> None:
+        self.exit_code = EXIT_ENGINE_FAILED
+        self.should_exit = True  # uvicorn's main loop notices within 0.1 s and shuts down
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
@@ -41,6 +51,7 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         create_app(service),
         host=config.host,
         port=config.port,
+        uds=config.uds,
         ws="websockets-sansio",
         ws_max_size=config.limits.ws_max_size,
         lifespan="on",
@@ -71,4 +82,6 @@ def serve(args: argparse.Namespace) -> int:
     server.run()
     if not server.started:
         return 1
+    if server.exit_code is not None:
+        return server.exit_code
     return 0 if server.service.balanced_at_exit else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from service.api.auth import DEFAULT_TENANT, Gate
@@ -17,6 +18,7 @@ from service.api.frames import ErrorCode, FrameError
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
 from service.engine.async_engine import AsyncEngine, EngineDeadError
+from service.engine.blocks import CacheScope
 from service.engine.config import dtype_name
 from service.engine.engine import LLMEngine, RequestError
 from service.engine.loader import LoadedModel
@@ -48,6 +50,9 @@ class ChatService:
         self.connections: set[ChatConnection] = set()
         self.busy_sessions: set[str] = set()  # sessions with an answer in flight
         self.draining = False
+        # Set when the engine thread dies: /health answers 503 and `on_fatal` stops the server.
+        self.engine_failure: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None  # the server sets it: exit non-zero
         self.balanced_at_exit: bool | None = None  # set by stop(): KV pools balanced?
         self._idle = asyncio.Event()  # no answer in flight
         self._idle.set()
@@ -107,6 +112,13 @@ class ChatService:
     def block_size(self) -> int:
         return self.engine.engine.config.block_size
 
+    @property
+    def _redis_pool_size(self) -> int:
+        """One Redis connection for each WebSocket the server admits: a burst of opens or
+        resumes as large as --max-connections never waits for another; past it, the pool
+        waits (redis_server.POOL_TIMEOUT_S) instead of failing."""
+        return self.config.limits.max_connections
+
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
@@ -114,9 +126,9 @@ class ChatService:
         if config.redis_url is None:
             self._embedded = EmbeddedRedis(config.data_dir)
             await asyncio.to_thread(self._embedded.start)
-            redis = self._embedded.client()
+            redis = self._embedded.client(max_connections=self._redis_pool_size)
         else:
-            redis = connect(config.redis_url)
+            redis = connect(config.redis_url, max_connections=self._redis_pool_size)
         self._store = SessionStore(
             redis,
             prefix=config.redis_prefix,
@@ -126,7 +138,7 @@ class ChatService:
         await self._store.ping()
         engine = await asyncio.to_thread(LLMEngine, config.engine, self._loaded)
         self._chat_format = ChatFormat(engine.tokenizer)
-        self._engine = AsyncEngine(engine)
+        self._engine = AsyncEngine(engine, on_failure=self._engine_failed)
         await self._engine.start()
         self.lag.start()
         log.info(
@@ -140,6 +152,15 @@ class ChatService:
             self.block_size,
             config.redis_url or f"embedded under {config.data_dir}",
         )
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine thread died: its state is unknown, so this process is done. Every
+        stream has failed already; the server now drains and exits non-zero so that its
+        supervisor (systemd, Docker's restart policy, Kubernetes) starts a fresh one."""
+        log.critical("the engine failed (%r): unhealthy; shutting down to be restarted", exc)
+        self.engine_failure = exc
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def drain(self) -> None:
         """Refuse new work, give answers `drain_timeout_s` to finish, then end every
@@ -161,12 +182,15 @@ class ChatService:
         await asyncio.gather(*self._completions.values(), return_exceptions=True)
         if self._engine is not None:
             await self._engine.stop()
-            try:
-                self._engine.engine.check_balanced()
-                self.balanced_at_exit = True
-            except AssertionError as exc:
-                log.error("KV pools unbalanced at shutdown: %s", exc)
-                self.balanced_at_exit = False
+            if self.engine_failure is not None:
+                self.balanced_at_exit = False  # a failed step leaves the pools in no known state
+            else:
+                try:
+                    self._engine.engine.check_balanced()
+                    self.balanced_at_exit = True
+                except AssertionError as exc:
+                    log.error("KV pools unbalanced at shutdown: %s", exc)
+                    self.balanced_at_exit = False
         if self._store is not None:
             await self._store.close()
         if self._embedded is not None:
@@ -174,7 +198,9 @@ class ChatService:
 
     # ------------------------------------------------------------------ conversation cache
 
-    def complete_conversation(self, session_id: str, token_ids: list[int]) -> None:
+    def complete_conversation(
+        self, session_id: str, token_ids: list[int], scope: CacheScope | None
+    ) -> None:
         """Cache the K/V of a stored conversation's tail, in the background.
 
         An answer's last token and the end-of-turn tokens after it were never fed to the model,
@@ -185,7 +211,7 @@ class ChatService:
         if self.draining or self._engine is None:
             return
         self._completions[session_id] = asyncio.create_task(
-            self._complete(session_id, token_ids), name=f"complete {session_id}"
+            self._complete(session_id, token_ids, scope), name=f"complete {session_id}"
         )
 
     async def wait_for_completion(self, session_id: str) -> None:
@@ -194,12 +220,17 @@ class ChatService:
         if task is not None:
             await asyncio.wait([task])  # a cancelled turn must not cancel the completion
 
-    async def _complete(self, session_id: str, token_ids: list[int]) -> None:
+    async def _complete(
+        self, session_id: str, token_ids: list[int], scope: CacheScope | None
+    ) -> None:
         try:
             # Named after its session (the /kv view shows it so), unique per conversation length.
             request_id = f"{session_id}/tail/{len(token_ids)}"
             params = SamplingParams(max_tokens=0)
-            async for _ in self.engine.generate(token_ids, params, request_id=request_id):
+            stream = self.engine.generate(
+                token_ids, params, request_id=request_id, cache_scope=scope
+            )
+            async for _ in stream:
                 pass
         except (RequestError, EngineDeadError) as exc:
             # Too long for the context, or shutting down: the next turn recomputes the tail.
@@ -229,8 +260,8 @@ class ChatService:
         self.metrics.open_connections.set(len(self.connections))
 
     def begin_turn(self, session_id: str) -> FrameError | None:
-        if self.draining:
-            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+        if self.draining:  # fatal, as everywhere: this connection is closed with 1012 next
+            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
         if session_id in self.busy_sessions:
             return FrameError(ErrorCode.BUSY, "this session is answering on another connection")
         limit = self.config.limits.max_inflight_turns

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 
+from service.api.auth import cache_salt_for
 from service.api.frames import (
     Delta,
     Done,
@@ -30,13 +31,21 @@ from service.api.frames import (
     Timing,
     Usage,
 )
+from service.api.sender import ClientGone
 from service.engine.async_engine import EngineDeadError
-from service.engine.blocks import hash_blocks
+from service.engine.blocks import CacheScope, hash_blocks
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from service.engine.sequence import FinishReason as EngineFinishReason
 from service.sessions.models import Message, PageMap, Role, SessionMeta
-from service.sessions.store import SessionNotFound
+from service.sessions.store import (
+    LEASE_S,
+    LeaseLost,
+    SessionBusy,
+    SessionNotFound,
+    SessionStore,
+    TurnLease,
+)
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
@@ -46,14 +55,12 @@ log = logging.getLogger(__name__)
 Send = Callable[[ServerFrame], Awaitable[None]]
 
 
-class ClientGone(Exception):
-    """The client's socket is closed: nothing more can be sent to it."""
-
-
 class Turn:
     def __init__(
         self,
         service: ChatService,
+        store: SessionStore,
+        tenant: str,
         session_id: str,
         content: str,
         params: SamplingParams,
@@ -62,6 +69,8 @@ class Turn:
         send: Send,
     ) -> None:
         self.service = service
+        self.store = store  # the tenant's sessions
+        self.tenant = tenant
         self.session_id = session_id
         self.content = content
         self.params = params
@@ -85,9 +94,49 @@ class Turn:
 
     async def run(self) -> None:
         """Answer, store and report; FrameError when the turn is refused before it starts."""
+        store = self.store
+        try:
+            lease = await store.begin_turn(self.session_id)
+        except SessionNotFound:
+            raise FrameError(ErrorCode.UNKNOWN_SESSION, "the session expired") from None
+        except SessionBusy:
+            raise FrameError(
+                ErrorCode.BUSY, "this session is answering on another connection or replica"
+            ) from None
+        except redis.exceptions.RedisError as exc:
+            raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
+        keeper = asyncio.create_task(self._keep(lease), name=f"lease {self.session_id}")
+        try:
+            done = await self._run(lease)
+        finally:
+            keeper.cancel()
+            try:
+                await store.end_turn(lease)
+            except redis.exceptions.RedisError as exc:  # it expires by itself within LEASE_S
+                log.warning("could not release the turn lease of %s: %s", self.session_id, exc)
+        # Only now: a client may send its next message the moment it reads `done`.
+        if done is not None:
+            await self._send(done)
+
+    async def _keep(self, lease: TurnLease) -> None:
+        """Renew the turn lease while the answer runs, well within its length."""
+        while True:
+            await asyncio.sleep(LEASE_S / 3)
+            try:
+                await self.store.renew_turn(lease)
+            except LeaseLost:
+                log.warning(
+                    "the turn lease of %s was lost; the answer will not be stored", self.session_id
+                )
+                return
+            except redis.exceptions.RedisError as exc:
+                log.warning("could not renew the turn lease of %s: %s", self.session_id, exc)
+
+    async def _run(self, lease: TurnLease) -> Done | None:
+        """Answer and store; the `done` frame to send (None: the client is gone)."""
         service = self.service
         try:
-            meta, page_map = await service.store.load(self.session_id)
+            meta, page_map = await self.store.load(self.session_id)
             prompt = await self._prompt(meta, page_map)
         except SessionNotFound:
             raise FrameError(ErrorCode.UNKNOWN_SESSION, "the session expired") from None
@@ -105,33 +154,40 @@ class Turn:
             reason = self._cancel_reason
         else:
             await service.wait_for_completion(self.session_id)
+            scope = self._cache_scope(meta)
             stream = service.engine.generate(
-                prompt, self.params, request_id=f"{self.session_id}/{meta.turns}"
+                prompt,
+                self.params,
+                request_id=f"{self.session_id}/{meta.turns}",
+                cache_scope=scope,
             )
             self._pump = asyncio.create_task(self._stream(stream), name=f"pump {self.session_id}")
             await asyncio.wait([self._pump])
-            reason = self._outcome(self._pump)
-            ids = prompt + self.answer + service.chat_format.close_turn(self.answer)
-            try:
-                await self._store(ids, reason)
-            except redis.exceptions.RedisError as exc:
-                log.error("could not store turn %s of %s: %s", meta.turns, self.session_id, exc)
-                raise FrameError(
-                    ErrorCode.STORAGE_UNAVAILABLE, f"the answer could not be stored: {exc}"
-                ) from None
-            service.complete_conversation(self.session_id, ids)
+            reason, failure = self._outcome(self._pump)
+            if failure is None or self.answer:  # whatever ended it, what was said is kept
+                ids = prompt + self.answer + service.chat_format.close_turn(self.answer)
+                try:
+                    await self._store(lease, ids, reason, scope)
+                except (redis.exceptions.RedisError, LeaseLost) as exc:
+                    log.error("could not store turn %s of %s: %s", meta.turns, self.session_id, exc)
+                    raise FrameError(
+                        ErrorCode.STORAGE_UNAVAILABLE, f"the answer could not be stored: {exc}"
+                    ) from None
+                if failure is None:
+                    service.complete_conversation(self.session_id, ids, scope)
+            if failure is not None:
+                raise failure
         service.metrics.turns.labels(reason.value).inc()
         total = time.monotonic() - self.received
         service.metrics.e2e_latency.observe(total)
-        if reason is not FinishReason.DISCONNECTED:
-            await self._send(
-                Done(
-                    turn=meta.turns,
-                    finish_reason=reason,
-                    usage=self._usage(len(prompt)),
-                    timing=self._timing(total),
-                )
-            )
+        if reason is FinishReason.DISCONNECTED:
+            return None
+        return Done(
+            turn=meta.turns,
+            finish_reason=reason,
+            usage=self._usage(len(prompt)),
+            timing=self._timing(total),
+        )
 
     async def _prompt(self, meta: SessionMeta, page_map: PageMap | None) -> list[int]:
         fmt = self.service.chat_format
@@ -140,7 +196,7 @@ class Turn:
         if meta.turns == 0:
             return fmt.first_prompt(meta.system, self.content)
         # Stored for another model: its token ids mean nothing here; the text still does.
-        messages = await self.service.store.messages(self.session_id)
+        messages = await self.store.messages(self.session_id)
         return fmt.render(meta.system, messages, self.content)
 
     async def _stream(self, stream: AsyncIterator[RequestOutput]) -> None:
@@ -168,28 +224,46 @@ class Turn:
                     )
                 )
 
-    def _outcome(self, pump: asyncio.Task[None]) -> FinishReason:
+    def _outcome(self, pump: asyncio.Task[None]) -> tuple[FinishReason, Exception | None]:
+        """Why the answer ended, and the error to report after storing it (None: no error)."""
         if pump.cancelled():
-            return self._cancel_reason or FinishReason.CANCELLED
+            return self._cancel_reason or FinishReason.CANCELLED, None
         exc = pump.exception()
         if isinstance(exc, ClientGone):
-            return FinishReason.DISCONNECTED
+            return FinishReason.DISCONNECTED, None
+        failure: Exception
         if isinstance(exc, RequestError):
-            raise FrameError(ErrorCode.CONTEXT_LENGTH, str(exc)) from exc
-        if isinstance(exc, EngineDeadError):
-            raise FrameError(ErrorCode.INTERNAL, str(exc)) from exc
-        if exc is not None:
-            raise exc
-        last = self._last
-        if last is not None and last.finish_reason is EngineFinishReason.LENGTH:
-            return FinishReason.LENGTH
-        return FinishReason.STOP
+            failure = FrameError(ErrorCode.CONTEXT_LENGTH, str(exc))
+        elif isinstance(exc, EngineDeadError):
+            failure = FrameError(ErrorCode.INTERNAL, str(exc))
+        elif isinstance(exc, Exception):
+            failure = exc  # a bug: reported as internal by the connection, after the store
+        elif exc is None:
+            last = self._last
+            if last is not None and last.finish_reason is EngineFinishReason.LENGTH:
+                return FinishReason.LENGTH, None
+            return FinishReason.STOP, None
+        else:
+            raise exc  # KeyboardInterrupt and the like are not the turn's to handle
+        return FinishReason.ERROR, failure
 
-    async def _store(self, ids: list[int], reason: FinishReason) -> None:
+    def _cache_scope(self, meta: SessionMeta) -> CacheScope:
+        """Who may share this conversation's KV blocks (see CacheScope's NOTE): its tenant
+        only, and by default, across sessions, only the blocks wholly inside the system
+        prompt; `--prefix-cache-scope global` lets every session of the tenant share all."""
+        salt = cache_salt_for(self.tenant)
+        if self.service.config.prefix_cache_scope == "global":
+            return CacheScope(salt=salt)
+        shared = self.service.chat_format.system_prefix_len(meta.system)
+        return CacheScope(salt=salt, private=self.session_id, shared_tokens=shared)
+
+    async def _store(
+        self, lease: TurnLease, ids: list[int], reason: FinishReason, scope: CacheScope
+    ) -> None:
         service = self.service
         now = time.time()
         block_size = service.block_size
-        hashes = hash_blocks(ids, block_size, service.namespace)
+        hashes = hash_blocks(ids, block_size, service.namespace, scope)
         tiers = service.engine.block_tiers(hashes)
         page_map = PageMap(
             token_ids=ids,
@@ -205,7 +279,7 @@ class Turn:
             Message(role=Role.USER, content=self.content, created=now),
             Message(role=Role.ASSISTANT, content=self.text, created=now, finish_reason=reason),
         ]
-        await service.store.append_turn(self.session_id, messages, page_map)
+        await self.store.append_turn(lease, messages, page_map)
 
     def _usage(self, prompt_tokens: int) -> Usage:
         last = self._last

@@ -4,6 +4,10 @@ NOTE (threads): only the engine thread touches the LLMEngine. The loop talks to 
 command queue (add, abort, page-map snapshot) and hears back through `call_soon_threadsafe`,
 one batch of outputs per step. torch releases the GIL inside its ops, so the loop stays
 responsive during a step.
+NOTE (failures): an error tied to one request (anything `add_request` raises) fails that
+request's stream and nothing else. An error inside a step leaves the engine's state unknown:
+the thread stops, every stream fails with EngineDeadError, and `on_failure` tells the owner
+(the service reports unhealthy at once and exits non-zero for its supervisor to restart it).
 NOTE (cancellation): a stream that ends before its request finished (the consumer broke out,
 was cancelled, or its client went away) aborts the request; the engine frees its blocks
 before the next step.
@@ -16,7 +20,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from service.engine.blocks import CacheScope, Tier
@@ -66,8 +70,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.engine = engine
+        self._on_failure = on_failure  # called on the loop once the engine thread has died
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -113,6 +120,11 @@ class AsyncEngine:
         future: asyncio.Future[PageMap] = asyncio.get_running_loop().create_future()
         self._send(_Snapshot(future, max_sequences))
         return await future
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the engine thread, if it died (None while it runs or after a stop)."""
+        return self._error
 
     @property
     def num_active_requests(self) -> int:
@@ -178,6 +190,8 @@ class AsyncEngine:
             self._error = exc
             self._post(self._fail_all, exc)
             self._fail_snapshots(exc)
+            if self._on_failure is not None:
+                self._post(self._on_failure, exc)
 
     def _pending_commands(self) -> Iterator[_Command]:
         while True:
@@ -203,6 +217,11 @@ class AsyncEngine:
                 )
             except RequestError as exc:
                 self._post(self._reject, command.request_id, exc)
+            except Exception as exc:  # a bad request must not stop the engine for everyone
+                log.exception("request %s refused by the engine", command.request_id)
+                self.engine.abort(command.request_id)
+                refused = RequestError(f"the engine refused the request: {exc!r}")
+                self._post(self._reject, command.request_id, refused)
 
     def _fail_snapshots(self, exc: BaseException) -> None:
         """Page maps asked for after the last step would otherwise wait forever."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick tokens and when to stop. temperature == 0 means greedy.
@@ -35,6 +37,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("top_k must be >= 0 (0 disables it)")
         if not 1 <= self.n <= 16:
             raise ValueError("n must be in 1..16")
+        # Sample i of n draws from seed + i; every one of them must be a 64-bit seed.
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+            raise ValueError(
+                f"seed must be in {INT64_MIN}..{INT64_MAX - (self.n - 1)} (n = {self.n})"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

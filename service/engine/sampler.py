@@ -97,7 +97,7 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     """Mask everything outside each row's top-k and top-p nucleus with -inf."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-    k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)
     drop = ranks[None, :] >= k[:, None]
     p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)

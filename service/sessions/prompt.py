@@ -48,6 +48,12 @@ class ChatFormat:
         messages.append({"role": "user", "content": content})
         return self.tokenizer.apply_chat_template(messages)
 
+    def system_prefix_len(self, system: str | None) -> int:
+        """How many leading tokens of every conversation with this system prompt are the
+        same whatever the user says: the template's fixed prefix and the system prompt (the
+        part sessions may share in the prefix cache)."""
+        return _common_prefix_len(self.first_prompt(system, "a"), self.first_prompt(system, "b"))
+
     def user_turn(self, content: str) -> list[int]:
         """The tokens a user turn adds after a closed conversation, generation prompt included."""
         full = self.tokenizer.apply_chat_template([*_PROBE, {"role": "user", "content": content}])
@@ -72,3 +78,12 @@ class ChatFormat:
         turns += [{"role": str(m.role), "content": m.content} for m in messages]
         turns.append({"role": Role.USER.value, "content": content})
         return self.tokenizer.apply_chat_template(turns)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

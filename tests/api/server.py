@@ -52,7 +52,8 @@ class ServerProcess:
             with urllib.request.urlopen(self.http + path, timeout=10) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
+            with exc:  # an unclosed error response leaks its socket
+                return exc.code, exc.read()
 
     def stats(self, lag_window_s: float = 60.0) -> dict[str, Any]:
         status, body = self.get(f"/v1/stats?lag_window_s={lag_window_s}")

@@ -413,11 +413,6 @@ async def test_a_tenants_sessions_are_unknown_to_other_tenants(
 
 
 @pytest.mark.real_model
-@pytest.mark.xfail(
-    strict=True,
-    reason="Turn reads and writes service.store, the default tenant's, until it is routed "
-    "through connection.store",
-)
 async def test_a_tenant_gets_answers_in_its_own_sessions(server: ServerProcess) -> None:
     async with await connect(server, key=BOB) as chat:
         await chat.open()
