@@ -66,10 +66,24 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
     return PagechatServer(uv_config, service)
 
 
+class ClientFaultFilter(logging.Filter):
+    """uvicorn logs a client's invalid UTF-8 text frame as an ERROR with a traceback, though it
+    handles it right (closes with 1007): a client's fault is one INFO line, not a server error."""
+
+    CLIENT_FAULTS = ("Invalid UTF-8 sequence received from client.",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg in self.CLIENT_FAULTS:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("uvicorn.error").addFilter(ClientFaultFilter())
     try:
         server = build_server(config_from_args(args))
     except ValueError as exc:  # a setting out of range, an unusable API keys file
