@@ -139,7 +139,10 @@ def render_prompt(
 
 def sampling_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits."""
-    max_tokens = req.max_completion_tokens or req.max_tokens or limits.default_max_tokens
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if asked is not None and asked < 1:  # 0 is no answer at all, never "the default"
+        raise invalid("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
+    max_tokens = asked or limits.default_max_tokens
     if max_tokens > limits.max_tokens:
         raise invalid(f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}", "max_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
