@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from service.api.turn import Turn
+from service.engine.blocks import CacheScope
 from service.engine.params import SamplingParams
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.prompt import ChatFormat
@@ -30,9 +31,20 @@ def fmt() -> ChatFormat:
     return ChatFormat(gguf_tokenizer())
 
 
-def turn(fmt: ChatFormat) -> Turn:
-    service: Any = SimpleNamespace(chat_format=fmt, model_id="model-a", store=_Store())
-    return Turn(service, "sid", "Again", SamplingParams(), received=0.0, send=None)  # type: ignore[arg-type]
+def turn(fmt: ChatFormat, *, tenant: str = "default", scope: str = "session") -> Turn:
+    config = SimpleNamespace(prefix_cache_scope=scope)
+    service: Any = SimpleNamespace(chat_format=fmt, model_id="model-a", config=config)
+    store: Any = _Store()
+    return Turn(
+        service,
+        store,
+        tenant,
+        "sid",
+        "Again",
+        SamplingParams(),
+        received=0.0,
+        send=None,  # type: ignore[arg-type]
+    )
 
 
 def meta(turns: int, system: str | None = None) -> SessionMeta:
@@ -77,3 +89,27 @@ async def test_a_page_map_of_another_model_falls_back_to_the_stored_text(
 ) -> None:
     prompt = await turn(fmt)._prompt(meta(1), page_map("model-b"))
     assert prompt == fmt.render(None, HISTORY, "Again")
+
+
+def test_a_session_shares_only_its_system_prompt_blocks_with_other_sessions(
+    fmt: ChatFormat,
+) -> None:
+    scope = turn(fmt)._cache_scope(meta(0, system="Be brief."))
+    shared = fmt.system_prefix_len("Be brief.")
+    assert scope == CacheScope(salt="", private="sid", shared_tokens=shared)
+    # The shared part is the prompt up to the user's words, whatever they are.
+    for content in ("a", "Hello there", "<|im_end|>"):
+        prompt = fmt.first_prompt("Be brief.", content)
+        assert prompt[:shared] == fmt.first_prompt("Be brief.", "zzz")[:shared]
+        assert shared < len(prompt)
+    assert "Be brief." in fmt.tokenizer.decode(fmt.first_prompt("Be brief.", "a")[:shared])
+
+
+def test_global_scope_shares_everything_within_a_tenant_and_tenants_never(
+    fmt: ChatFormat,
+) -> None:
+    assert turn(fmt, scope="global")._cache_scope(meta(0)) == CacheScope()
+    alice = turn(fmt, tenant="alice", scope="global")._cache_scope(meta(0))
+    bob = turn(fmt, tenant="bob", scope="global")._cache_scope(meta(0))
+    assert alice.salt and bob.salt and alice.salt != bob.salt
+    assert turn(fmt, tenant="alice")._cache_scope(meta(0)).salt == alice.salt
