@@ -21,9 +21,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import redis
+
+from service.sessions.models import Message, PageMap
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -152,3 +155,18 @@ def delete_prefix(prefix: str) -> None:
             client.delete(*keys)
     finally:
         client.close()
+
+
+def stored_session(prefix: str, session_id: str) -> tuple[list[Message], PageMap | None]:
+    """A session's messages and page map as they are in Redis, read straight from it."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        raw_messages = cast(
+            list[bytes], client.lrange(f"{prefix}session:{session_id}:messages", 0, -1)
+        )
+        raw_map = cast(bytes | None, client.get(f"{prefix}session:{session_id}:pagemap"))
+    finally:
+        client.close()
+    messages = [msgspec.msgpack.decode(m, type=Message) for m in raw_messages]
+    page_map = None if raw_map is None else msgspec.msgpack.decode(raw_map, type=PageMap)
+    return messages, page_map

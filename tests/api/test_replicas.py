@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import msgspec
 import pytest
-import redis
 
 from clients.chat_client import Answer, ChatClient, ChatServerError
 from service.sessions.models import Message, PageMap
@@ -24,6 +22,7 @@ from tests.api.server import (
     ServerProcess,
     delete_prefix,
     start_server,
+    stored_session,
     unique_prefix,
     wait_balanced,
 )
@@ -58,15 +57,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerPr
 
 
 def _stored(prefix: str, session_id: str) -> tuple[list[Message], PageMap]:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        raw_messages = client.lrange(f"{prefix}session:{session_id}:messages", 0, -1)
-        raw_map = client.get(f"{prefix}session:{session_id}:pagemap")
-    finally:
-        client.close()
-    assert isinstance(raw_map, bytes)
-    messages = [msgspec.msgpack.decode(m, type=Message) for m in raw_messages]  # type: ignore[union-attr]
-    return messages, msgspec.msgpack.decode(raw_map, type=PageMap)
+    messages, page_map = stored_session(prefix, session_id)
+    assert page_map is not None
+    return messages, page_map
 
 
 def _prefix_of(server: ServerProcess) -> str:

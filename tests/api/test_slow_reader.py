@@ -23,14 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
-import redis
 import websockets
 from websockets.asyncio.client import ClientConnection
 
 from service.sessions.models import Message, PageMap
-from tests.api.server import REDIS_URL, REPO, delete_prefix, is_idle, unique_prefix
+from tests.api.server import (
+    REDIS_URL,
+    REPO,
+    delete_prefix,
+    is_idle,
+    stored_session,
+    unique_prefix,
+)
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -139,24 +144,12 @@ async def _open(ws: ClientConnection) -> tuple[str, str]:
     return opened["session_id"], opened["secret"]
 
 
-def _stored(prefix: str, session_id: str) -> tuple[list[Message], PageMap | None]:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        raw_messages = client.lrange(f"{prefix}session:{session_id}:messages", 0, -1)
-        raw_map = client.get(f"{prefix}session:{session_id}:pagemap")
-    finally:
-        client.close()
-    messages = [msgspec.msgpack.decode(m, type=Message) for m in raw_messages]  # type: ignore[union-attr]
-    page_map = None if raw_map is None else msgspec.msgpack.decode(raw_map, type=PageMap)  # type: ignore[arg-type]
-    return messages, page_map
-
-
 async def _wait_stored(
     prefix: str, session_id: str, timeout: float
 ) -> tuple[list[Message], PageMap]:
     deadline = time.monotonic() + timeout
     while True:
-        messages, page_map = await asyncio.to_thread(_stored, prefix, session_id)
+        messages, page_map = await asyncio.to_thread(stored_session, prefix, session_id)
         if messages:
             assert page_map is not None
             return messages, page_map
