@@ -3,7 +3,6 @@ small run against a real server on the tiny model."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 from collections.abc import Callable
@@ -23,7 +22,6 @@ from benchmarks.side_channel import (
     mann_whitney_u,
     report,
 )
-from service.api.options import add_arguments
 from tests.tiny_model import make_tiny_llama
 
 
@@ -146,23 +144,11 @@ def test_report_puts_hits_and_misses_side_by_side() -> None:
 # ---------------------------------------------------------------------- a real server
 
 
-def serve_knows_prefix_cache_scope() -> bool:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return "--prefix-cache-scope" in parser.format_help()
-
-
 def test_a_small_run_against_a_real_server(tmp_path: Path) -> None:
     """Global sharing shows every should-hit probe in `cached_tokens`; the default scope
-    (once the server has `--prefix-cache-scope`) shows hits and misses alike."""
+    shows hits and misses alike."""
     model = make_tiny_llama(tmp_path / "tiny")
     common = ["--probes", "10", "--secret-words", "40", "--model", str(model), "--dtype", "float32"]
-    if not serve_knows_prefix_cache_scope():
-        # Today's server shares every block across sessions: what `global` will restore.
-        (leaky,) = main(common)
-        assert leaky.cached_tokens_hit > leaky.cached_tokens_miss
-        assert leaky.cached_tokens_accuracy == 1.0
-        return
     leaky, default = main([*common, "--compare"])
     assert leaky.label == "global" and default.label == "default"
     assert leaky.prompt_tokens_hit == leaky.prompt_tokens_miss
