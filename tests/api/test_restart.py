@@ -2,8 +2,9 @@
 with the default model in its default dtype (bfloat16).
 
 A shutdown lets a short answer finish, cancels a long one (stored, reported as "shutdown"),
-closes every socket with 1012 and exits 0 with balanced pools. The restarted service, with an
-empty KV cache, resumes both sessions with their full history and recomputes the prefix.
+refuses a message sent meanwhile (a fatal shutting_down), closes every socket with 1012 and
+exits 0 with balanced pools. The restarted service, with an empty KV cache, resumes both
+sessions with their full history and recomputes the prefix.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ async def test_shutdown_drains_and_a_restart_resumes_with_recomputed_history(
         await short.send_user("Say yes.", max_tokens=10, ignore_eos=True, **GREEDY)
         short_start = await short.receive()
         assert isinstance(long_start, Delta) and isinstance(short_start, Delta)
+        idle = await ChatClient.connect(first.ws)
+        await idle.open()
         first.proc.send_signal(signal.SIGTERM)
+        # A message sent during the drain is refused as the docs say: fatal, then 1012.
+        await asyncio.sleep(0.5)
+        await idle.send_user("Too late?", max_tokens=4)
+        await expect_shutdown(idle)
         short_answer, long_answer = await asyncio.gather(short.collect(), long.collect())
         short_text = short_start.text + short_answer.text
         long_text = long_start.text + long_answer.text
