@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench
+.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench soak
 
 setup:
 	@scripts/setup-env.sh
@@ -43,6 +43,14 @@ bench-engine: setup
 loadtest: setup
 	$(PY) -m loadtest.run --url $(or $(URL),ws://127.0.0.1:8000) --users $(or $(USERS),8) \
 		--spawn-rate $(or $(SPAWN_RATE),2) --run-time $(or $(RUN_TIME),60s) $(ARGS)
+
+# A soak: its own server (bundled model, embedded Redis in a temporary directory) under every
+# Locust scenario for DURATION, sampled every INTERVAL seconds (RSS, open files, Redis keys and
+# memory, KV blocks, loop lag), then judged; exits 1 naming any failed check. Samples, plot and
+# verdict go to results/soak-<time>/. make soak DURATION=10m USERS=24 [ARGS="--doc"]
+soak: setup
+	$(PY) -m loadtest.soak --duration $(or $(DURATION),10m) --users $(or $(USERS),24) \
+		--interval $(or $(INTERVAL),5) $(ARGS)
 
 # The KV allocators on a chat trace (no model, ~20 s), then engine throughput paged vs
 # contiguous on the real model (~12 min on 2 cores), then the plots in docs/img/ and the tables
