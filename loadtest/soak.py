@@ -39,7 +39,6 @@ fails, each failure named):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -51,272 +50,19 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-import psutil
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.run import REPO, SCENARIOS, http_base
+from loadtest.run import REPO, SCENARIOS
+from loadtest.soak_probe import Probe, Sample, is_idle, plot, write_csv
+from loadtest.soak_verdict import Check, check_keys, check_rss
 from service.sessions.redis_server import EmbeddedRedis
 
-matplotlib.use("Agg")  # no display; must precede pyplot
-import matplotlib.pyplot as plt
-
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-_KEY = re.compile(r"session:([A-Za-z0-9_-]+)(?::(messages|pagemap|lease))?")
-KEY_KINDS = ("meta", "messages", "pagemap", "lease")  # service/sessions/store.py's layout
-_NO_HTTP_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-# ---------------------------------------------------------------- the verdict's pure parts
-
-
-@dataclass(slots=True, frozen=True)
-class Flatness:
-    warm: float  # median of the second quarter of the samples
-    end: float  # median of the last quarter
-    slope_per_h: float  # least-squares slope over the second half, per hour (for the record)
-
-    @property
-    def growth(self) -> float:
-        return self.end / self.warm - 1.0
-
-
-def flatness(times_s: list[float], values: list[float]) -> Flatness:
-    """Quarter medians and the second half's slope of evenly spaced samples (8 at least)."""
-    n = len(values)
-    if n != len(times_s) or n < 8:
-        raise ValueError(f"need 8 samples or more to judge flatness, got {n}")
-    q = n // 4
-    half_t, half_v = times_s[n // 2 :], values[n // 2 :]
-    mean_t, mean_v = statistics.fmean(half_t), statistics.fmean(half_v)
-    var_t = sum((t - mean_t) ** 2 for t in half_t)
-    cov = sum((t - mean_t) * (v - mean_v) for t, v in zip(half_t, half_v, strict=True))
-    return Flatness(
-        warm=statistics.median(values[q : 2 * q]),
-        end=statistics.median(values[n - q :]),
-        slope_per_h=3600.0 * cov / var_t if var_t > 0 else 0.0,
-    )
-
-
-@dataclass(slots=True, frozen=True)
-class SessionMeta:
-    turns: int
-    system: bool  # opened with a system prompt (the `shared` scenario)
-
-
-@dataclass(slots=True)
-class KeyAccount:
-    keys: int = 0
-    by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEY_KINDS, 0))
-    sessions_with_turns: int = 0
-    sessions_with_system: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def sessions(self) -> int:
-        return self.by_kind["meta"]
-
-
-def account_keys(
-    prefix: str, ttls: Mapping[str, int], metas: Mapping[str, SessionMeta]
-) -> KeyAccount:
-    """Every key under `prefix` (with its TTL in seconds) checked against the sessions' metadata
-    (by session id) on an idle server; what does not fit the store's layout is listed in
-    `problems`. Idle, no turn is in flight, so a turn lease left is one its turn did not end."""
-    account = KeyAccount(keys=len(ttls))
-    present: dict[str, set[str]] = {}
-    for key, ttl in sorted(ttls.items()):
-        match = _KEY.fullmatch(key.removeprefix(prefix)) if key.startswith(prefix) else None
-        if match is None:
-            account.problems.append(f"{key}: not a session key")
-            continue
-        session_id, kind = match.group(1), match.group(2) or "meta"
-        account.by_kind[kind] += 1
-        present.setdefault(session_id, set()).add(kind)
-        if ttl <= 0:
-            account.problems.append(f"{key}: no TTL")
-        if kind == "lease":
-            account.problems.append(f"{key}: a turn lease with no turn in flight")
-    for session_id, kinds in present.items():
-        meta = metas.get(session_id) if "meta" in kinds else None
-        if meta is None:
-            account.problems.append(f"session {session_id}: {sorted(kinds)} without metadata")
-            continue
-        account.sessions_with_turns += meta.turns > 0
-        account.sessions_with_system += meta.system
-        # A turn writes its messages and its page map together; a session opened has neither.
-        if kinds - {"meta", "lease"} != ({"messages", "pagemap"} if meta.turns > 0 else set()):
-            account.problems.append(f"session {session_id}: {meta.turns} turns, {sorted(kinds)}")
-    return account
-
-
-@dataclass(slots=True)
-class Check:
-    name: str
-    ok: bool | None  # None: not checked (`detail` says why)
-    detail: str
-
-    def line(self) -> str:
-        mark = {True: "PASS", False: "FAIL", None: "skip"}[self.ok]
-        return f"{mark}  {self.name}: {self.detail}"
-
-
-def check_rss(times_s: list[float], rss_mb: list[float], bound: float) -> Check:
-    if len(rss_mb) < 8 or any(math.isnan(v) for v in rss_mb):
-        return Check("rss flat", None, f"{len(rss_mb)} RSS samples under load (8 needed)")
-    f = flatness(times_s, rss_mb)
-    detail = (
-        f"{f.warm:.0f} MB after warm-up -> {f.end:.0f} MB at the end ({f.growth:+.1%}, bound "
-        f"+{bound:.0%}); second-half slope {f.slope_per_h:+.0f} MB/h"
-    )
-    return Check("rss flat", f.growth <= bound, detail)
-
-
-# ---------------------------------------------------------------- sampling
-
-
-@dataclass(slots=True)
-class Sample:
-    t_s: float  # since the soak started
-    phase: str  # "load" while Locust runs, then "idle"
-    rss_mb: float  # nan when the server's process is not known
-    open_fds: float
-    redis_keys: int
-    redis_used_mb: float
-    device_in_use: int
-    cpu_in_use: int
-    loop_lag_p99_ms: float  # over the sampling interval
-    turns: int  # answers the server finished (any reason)
-    tokens: int  # tokens generated
-
-
-class Probe:
-    """Reads the server (HTTP and its process) and Redis; one `Sample` per call."""
-
-    def __init__(
-        self, url: str, pid: int | None, client: redis.Redis, prefix: str, interval_s: float
-    ) -> None:
-        self.base = http_base(url)
-        self.process = psutil.Process(pid) if pid is not None else None
-        self.redis = client
-        self.prefix = prefix
-        self.interval_s = interval_s
-
-    def get(self, path: str) -> bytes:
-        with _NO_HTTP_PROXY.open(self.base + path, timeout=30) as response:
-            body: bytes = response.read()
-            return body
-
-    def stats(self, lag_window_s: float = 60.0) -> dict[str, Any]:
-        stats: dict[str, Any] = json.loads(self.get(f"/v1/stats?lag_window_s={lag_window_s}"))
-        return stats
-
-    def turns(self) -> int:
-        text = self.get("/metrics").decode()
-        return sum(
-            int(s.value)
-            for family in text_string_to_metric_families(text)
-            if family.name == "pagechat_turns"
-            for s in family.samples
-            if s.name == "pagechat_turns_total"
-        )
-
-    def keys(self) -> list[str]:
-        return [k.decode() for k in self.redis.scan_iter(match=self.prefix + "*", count=1000)]
-
-    def sample(self, t_s: float, phase: str) -> Sample:
-        stats = self.stats(self.interval_s)
-        rss, fds = math.nan, math.nan
-        if self.process is not None:
-            with self.process.oneshot():
-                rss, fds = self.process.memory_info().rss / 2**20, self.process.num_fds()
-        return Sample(
-            t_s=round(t_s, 2),
-            phase=phase,
-            rss_mb=rss,
-            open_fds=fds,
-            redis_keys=len(self.keys()),
-            redis_used_mb=int(self.redis.info("memory")["used_memory"]) / 2**20,
-            device_in_use=stats["kv"]["device"]["in_use"],
-            cpu_in_use=stats["kv"]["cpu"]["in_use"],
-            loop_lag_p99_ms=stats["event_loop_lag"]["p99_ms"],
-            turns=self.turns(),
-            tokens=stats["engine"]["tokens_generated"],
-        )
-
-    def account(self) -> KeyAccount:
-        ttls, metas = {}, {}
-        for key in self.keys():
-            ttl = int(self.redis.ttl(key))
-            if ttl != -2:  # -2: gone since the scan
-                ttls[key] = ttl
-            if (match := _KEY.fullmatch(key.removeprefix(self.prefix))) and not match.group(2):
-                turns, system = self.redis.hmget(key, ["turns", "system"])
-                if turns is not None:
-                    metas[match.group(1)] = SessionMeta(int(turns), system is not None)
-        return account_keys(self.prefix, ttls, metas)
-
-
-def is_idle(stats: dict[str, Any]) -> bool:
-    kv, queue = stats["kv"], stats["queue"]
-    busy = (
-        kv["device"]["in_use"],
-        kv["cpu"]["in_use"],
-        queue["waiting"],
-        queue["running"],
-        queue["swapped"],
-        queue["inflight_turns"],
-        stats["sessions"]["open_connections"],
-    )
-    return not any(busy)
-
-
-def write_csv(samples: list[Sample], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([x.name for x in fields(Sample)])
-        writer.writerows([getattr(s, x.name) for x in fields(Sample)] for s in samples)
-
-
-def plot(samples: list[Sample], path: Path, title: str) -> None:
-    t = [s.t_s / 60.0 for s in samples]
-    fig, axes = plt.subplots(5, 1, figsize=(9, 11), sharex=True)
-    rss, fds, keys, blocks, lag = axes
-    rss.plot(t, [s.rss_mb for s in samples], color="tab:blue")
-    rss.set_ylabel("server RSS (MB)")
-    load = [s.t_s / 60.0 for s in samples if s.phase == "load"]
-    if (q := len(load) // 4) >= 2:  # the quarters the RSS check compares
-        for first, last in ((q, 2 * q - 1), (len(load) - q, len(load) - 1)):
-            rss.axvspan(load[first], load[last], color="tab:blue", alpha=0.1)
-    fds.plot(t, [s.open_fds for s in samples], color="tab:purple")
-    fds.set_ylabel("open file\ndescriptors")
-    keys.plot(t, [s.redis_keys for s in samples], color="tab:green", label="keys")
-    keys.set_ylabel("Redis keys\n(prefix)")
-    memory = keys.twinx()
-    memory.plot(t, [s.redis_used_mb for s in samples], color="tab:olive", ls="--")
-    memory.set_ylabel("Redis used\nmemory (MB, dashed)")
-    blocks.plot(t, [s.device_in_use for s in samples], label="device")
-    blocks.plot(t, [s.cpu_in_use for s in samples], label="CPU")
-    blocks.set_ylabel("KV blocks\nin use")
-    blocks.legend(loc="upper left")
-    lag.plot(t, [s.loop_lag_p99_ms for s in samples], color="tab:red")
-    lag.set_ylabel("event-loop lag\np99 (ms)")
-    lag.set_xlabel("minutes (dotted: Locust stopped; shaded: the quarters the RSS check compares)")
-    for ax in axes:
-        ax.axvline(max(load, default=0.0), color="grey", ls=":")
-        ax.grid(alpha=0.3)
-    axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------- the run
@@ -526,22 +272,6 @@ def soak(
         "samples": len(samples),
     }
     return checks, figures
-
-
-def check_keys(account: KeyAccount, opens: int | None, users: int) -> Check:
-    """No problem with the keys and, given Locust's successful opens, the sessions number them
-    (plus at most one a user whose open the stop timeout cut off)."""
-    kinds = ", ".join(f"{k} {n}" for k, n in account.by_kind.items())
-    detail = (
-        f"{account.keys} keys ({kinds}); {account.sessions} sessions, "
-        f"{account.sessions_with_turns} with turns, {account.sessions_with_system} with a "
-        f"system prompt; {len(account.problems)} problems {account.problems[:5]}"
-    )
-    ok = not account.problems
-    if opens is not None:
-        detail += f"; Locust opened {opens}"
-        ok = ok and opens <= account.sessions <= opens + users
-    return Check("redis keys", ok, detail)
 
 
 def report(checks: list[Check], figures: dict[str, Any], results: Path, doc: bool) -> int:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from loadtest.run import SCENARIOS
-from loadtest.soak import (
+from loadtest.soak import parse_args, report
+from loadtest.soak_probe import is_idle
+from loadtest.soak_verdict import (
     Check,
     KeyAccount,
     SessionMeta,
@@ -21,9 +23,6 @@ from loadtest.soak import (
     check_keys,
     check_rss,
     flatness,
-    is_idle,
-    parse_args,
-    report,
 )
 from tests.api.server import REPO
 
