@@ -1,6 +1,6 @@
 """The Starlette app: /v1/chat (WebSocket), the OpenAI-compatible /v1/chat/completions and
 /v1/models, /health, /v1/stats, /v1/kv and /metrics; the browser chat page at / and the live
-KV page map at /kv."""
+KV page map at /kv, and their icon at /favicon.ico."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 import msgspec
 import redis.exceptions
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -21,7 +23,7 @@ from starlette.websockets import WebSocket
 from service.api import pagemap, stats
 from service.api.auth import guarded
 from service.api.connection import ChatConnection
-from service.api.openai import ChatCompletions
+from service.api.openai import ChatCompletions, http_error
 from service.api.service import ChatService
 from service.engine.async_engine import EngineDeadError
 
@@ -30,6 +32,13 @@ WEB = Path(__file__).with_name("web")
 # A page map waits for the step in flight to end; a step takes well under this.
 PAGE_MAP_TIMEOUT_S = 10.0
 MAX_LAG_WINDOW_S = 600.0  # the loop-lag monitor keeps this long (LoopLagMonitor.keep_s)
+# The pages' icon, a speech bubble: without one every page view logs a 404 for /favicon.ico.
+FAVICON_SVG = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+    b'<rect width="32" height="32" rx="7" fill="#2563eb"/>'
+    b'<path d="M8 9h16a2 2 0 0 1 2 2v8a2 2 0 0 1-2 2h-9l-5 4v-4H8a2 2 0 0 1-2-2v-8a2 2 0 0 1 2-2z"'
+    b' fill="#fff"/></svg>'
+)
 
 
 def create_app(service: ChatService) -> Starlette:
@@ -98,6 +107,12 @@ def create_app(service: ChatService) -> Starlette:
     async def kv_view(request: Request) -> Response:
         return HTMLResponse(kv_page)
 
+    async def favicon(request: Request) -> Response:
+        # An SVG under the name browsers ask for by themselves (they go by the media type).
+        return Response(
+            FAVICON_SVG, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"}
+        )
+
     async def metrics(request: Request) -> Response:
         return Response(
             service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
@@ -113,9 +128,30 @@ def create_app(service: ChatService) -> Starlette:
             Route("/v1/kv", guarded(service, kv_json, admin=True)),
             Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
             Route("/v1/models", guarded(service, completions.models)),
+            Route("/v1/models/{name:path}", guarded(service, completions.model)),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_view),
+            Route("/favicon.ico", favicon),
         ],
         lifespan=lifespan,
+        # Unknown routes and methods under /v1/ answer in OpenAI's error shape.
+        exception_handlers={404: http_error, 405: http_error},
+        middleware=_cors(service.config.cors_allowed_origins),
     )
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Browsers' cross-origin calls to the HTTP API from `origins` (preflights answered);
+    none: no CORS headers at all, so a page elsewhere cannot read the API's answers."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # the SDKs send headers of their own (x-stainless-*)
+            max_age=600,
+        )
+    ]

@@ -8,6 +8,7 @@ same server over a real WebSocket.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import pytest
 from clients.chat_client import ChatClient
 from service.api.frames import Delta
 from service.api.pagemap import session_tag
-from tests.api.server import ServerProcess, running_server, wait_balanced
+from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
@@ -111,11 +112,17 @@ def test_pages_are_served_as_html(server: ServerProcess) -> None:
 class Page:
     page: Any  # playwright.async_api.Page
     errors: list[str]  # uncaught JavaScript errors
+    failed: list[str]  # responses of 400 and over, as "STATUS URL"
+
+
+OpenPage = Callable[..., Awaitable[Page]]
+PHONE = {"width": 390, "height": 844}
 
 
 @pytest.fixture
-async def open_page(server: ServerProcess) -> AsyncIterator[Callable[[str], Awaitable[Page]]]:
-    """Open a server path in headless Chromium, collecting the page's JavaScript errors."""
+async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
+    """Open a server path in headless Chromium (a fresh profile each time: a first visit),
+    collecting the page's JavaScript errors and failed responses."""
     if CHROMIUM is None:
         pytest.skip("no chromium on this machine (apt-get install chromium)")
     from playwright.async_api import async_playwright
@@ -124,9 +131,14 @@ async def open_page(server: ServerProcess) -> AsyncIterator[Callable[[str], Awai
         # --no-sandbox: CI and this machine run as root, where Chromium's sandbox refuses.
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
 
-        async def open_(path: str) -> Page:
-            page = Page(await browser.new_page(), [])
+        async def open_(path: str, viewport: dict[str, int] | None = None) -> Page:
+            context = await browser.new_context(viewport=viewport or {"width": 1280, "height": 800})
+            page = Page(await context.new_page(), [], [])
             page.page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+            page.page.on(
+                "response",
+                lambda r: page.failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
+            )
             await page.page.goto(server.http + path)
             return page
 
@@ -136,29 +148,57 @@ async def open_page(server: ServerProcess) -> AsyncIterator[Callable[[str], Awai
             await browser.close()
 
 
-async def new_chat(open_page: Callable[[str], Awaitable[Page]], system: str = "") -> Page:
-    """The chat page with a new session open, ready for a message."""
-    opened = await open_page("/")
+async def new_chat(open_page: OpenPage, system: str = "", **kwargs: Any) -> Page:
+    """The chat page on a first visit, with the optional system prompt set for its first chat."""
+    opened = await open_page("/", **kwargs)
     if system:
+        await opened.page.click("#settings summary")
         await opened.page.fill("#system", system)
-    await opened.page.click("#start")
-    await opened.page.wait_for_selector("#input:not([disabled])")
     return opened
 
 
-async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation(
-    open_page: Callable[[str], Awaitable[Page]],
-) -> None:
-    opened = await new_chat(open_page, "You are a helpful assistant. Answer briefly.")
+async def ask(page: Any, text: str, answers: int = 1) -> str:
+    """Send a message from the input box; the usage line of its answer (the `answers`-th)."""
+    await page.fill("#input", text)
+    await page.keyboard.press("Enter")
+    usage = page.locator(".usage").nth(answers - 1)
+    await usage.wait_for(timeout=120_000)
+    await page.wait_for_selector("#input:not([disabled])")
+    text_: str = await usage.inner_text()
+    return text_
+
+
+async def test_first_visit_answers_the_first_typed_question(open_page: OpenPage) -> None:
+    opened = await open_page("/")
     page = opened.page
-    assert await page.is_hidden("#system-row")  # a session is open: no system prompt to set
-    await page.fill("#input", "What is the capital of France?")
+    # The message box has the focus and works at once: no system prompt to fill in first.
+    assert await page.evaluate("document.activeElement.id") == "input"
+    assert await page.get_attribute("#settings", "open") is None  # the setting is collapsed
+    await page.keyboard.type("What is the capital of France?")
     await page.keyboard.press("Enter")
     usage = await page.wait_for_selector(".usage", timeout=120_000)
     assert "cached" in await usage.inner_text()
+    assert await page.locator(".msg").all_inner_texts() == [
+        "What is the capital of France?",
+        await page.inner_text(".msg.assistant"),
+    ]
+    assert (await page.inner_text(".msg.assistant")).strip()
+    assert await page.evaluate("localStorage.getItem('pagechat.session')")
+    assert await page.evaluate("document.activeElement.id") == "input"  # ready for the next
+    assert opened.errors == [] and opened.failed == []
+
+
+async def test_chat_page_streams_an_answer_and_a_reload_resumes_it_with_its_usage_lines(
+    open_page: OpenPage,
+) -> None:
+    opened = await new_chat(open_page, "You are a helpful assistant. Answer briefly.")
+    page = opened.page
+    first_usage = await ask(page, "What is the capital of France?")
+    assert "cached" in first_usage
     answer = await page.inner_text(".msg.assistant")
     assert answer.strip()  # sampled at the server's default temperature: any text will do
     assert await page.locator(".msg.assistant.streaming").count() == 0
+    assert "Answer briefly." in await page.inner_text(".system-note")
     stored = await page.evaluate("localStorage.getItem('pagechat.session')")
     session = json.loads(stored)
     tag = session_tag(session["session_id"])
@@ -166,21 +206,102 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_the_conversation
 
     await page.reload()
     await page.wait_for_function("document.querySelector('#meta').textContent.includes('resumed')")
-    assert await page.is_hidden("#system-row")
     messages = await page.locator(".msg").all_inner_texts()
     assert messages == ["What is the capital of France?", answer]
-    await page.fill("#input", "And of Germany?")
-    await page.keyboard.press("Enter")
-    await page.wait_for_selector(".usage", timeout=120_000)
-    second_usage = await page.inner_text(".usage")
+    # The server's resume gives messages, not usage: the page kept the line for each turn.
+    assert await page.locator(".usage").all_inner_texts() == [first_usage]
+    assert await page.evaluate("document.activeElement.id") == "input"
+    second_usage = await ask(page, "And of Germany?", answers=2)
     # The first turn's conversation came back from the prefix cache, not recomputed.
     cached = int(second_usage.split(": ")[1].split(" cached")[0])
     assert cached > 0
+    await page.reload()
+    await page.wait_for_function("document.querySelectorAll('.usage').length == 2")
+    assert await page.locator(".usage").all_inner_texts() == [first_usage, second_usage]
+
+    # New chat forgets the session and its usage lines; the next message opens a new one.
+    await page.click("#new-chat")
+    assert await page.locator(".msg, .usage").count() == 0
+    assert await page.evaluate("Object.keys(localStorage).filter(k => k.includes('usage'))") == []
+    await ask(page, "Hello!")
+    assert json.loads(await page.evaluate("localStorage.getItem('pagechat.session')")) != session
+    assert opened.errors == [] and opened.failed == []
+
+
+async def test_phone_viewport_fits_without_horizontal_overflow(open_page: OpenPage) -> None:
+    opened = await new_chat(open_page, viewport=PHONE)
+    page = opened.page
+    await ask(page, "Tell me about rivers. " + "Supercalifragilistic" * 8)  # an unbreakable word
+    await page.wait_for_function("document.querySelector('#meta').textContent.includes('session')")
+    overflow = "document.documentElement.scrollWidth <= window.innerWidth"
+    assert await page.evaluate(overflow)
+    for control in ("#new-chat", "#kv-link", "#send"):
+        box = await page.locator(control).bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"]
+    await page.click("#settings summary")  # the open setting fits too
+    assert await page.evaluate(overflow)
+    kv = (await open_page("/kv", viewport=PHONE)).page
+    await kv.wait_for_selector("body[data-ready='1']")
+    assert await kv.evaluate(overflow)
     assert opened.errors == []
 
 
+def protocol_error_codes() -> list[str]:
+    """The error codes of docs/protocol.md's table of errors."""
+    text = (REPO / "docs" / "protocol.md").read_text()
+    table = text[text.index("| code | when | fatal |") :].split("\n\n")[0]
+    return re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.MULTILINE)
+
+
+async def test_every_error_code_reads_as_a_sentence_for_people(open_page: OpenPage) -> None:
+    codes = protocol_error_codes()
+    assert len(codes) >= 18 and "context_length" in codes and "shutting_down" in codes
+    page = (await open_page("/")).page
+    for code in codes:
+        frame = {"code": code, "message": "raw server detail", "fatal": False, "retry_after_s": 2.5}
+        text: str = await page.evaluate("(frame) => explain(frame)", frame)
+        assert text[0].isupper() and text.endswith("."), (code, text)
+        assert code not in text and "raw server detail" not in text, (code, text)
+        assert text != await page.evaluate("(f) => explain(f)", {"code": "no_such_code"}), code
+    assert "3 seconds" in await page.evaluate(
+        "(f) => explain(f)", {"code": "too_many_attempts", "retry_after_s": 2.5}
+    )
+
+
+async def test_favicon_is_served_and_no_request_fails(
+    server: ServerProcess, open_page: OpenPage
+) -> None:
+    status, body = server.get("/favicon.ico")
+    assert status == 200 and body.startswith(b"<svg")
+    for path in ("/", "/kv"):
+        opened = await open_page(path)
+        loaded = await opened.page.evaluate(
+            """() => new Promise((resolve) => {
+                 const icon = new Image();
+                 icon.onload = () => resolve(icon.naturalWidth > 0);
+                 icon.onerror = () => resolve(false);
+                 icon.src = document.querySelector("link[rel=icon]").href;
+               })"""
+        )
+        assert loaded
+        await opened.page.wait_for_load_state("networkidle")
+        assert opened.failed == [], opened.failed
+
+
+async def test_links_lead_from_the_chat_to_the_kv_view_and_back(open_page: OpenPage) -> None:
+    opened = await open_page("/")
+    page = opened.page
+    await page.click("#kv-link")
+    await page.wait_for_selector("body[data-ready='1']")
+    assert page.url.endswith("/kv")
+    await page.click("#chat-link")
+    await page.wait_for_selector("#composer")
+    assert page.url.endswith("/") and await page.title() == "pagechat"
+    assert opened.errors == [] and opened.failed == []
+
+
 async def test_a_message_over_the_context_is_marked_not_sent_and_the_chat_goes_on(
-    open_page: Callable[[str], Awaitable[Page]],
+    open_page: OpenPage,
 ) -> None:
     opened = await new_chat(open_page)
     page = opened.page
@@ -189,7 +310,8 @@ async def test_a_message_over_the_context_is_marked_not_sent_and_the_chat_goes_o
     await page.keyboard.press("Enter")
     refused = await page.wait_for_selector(".msg.user.refused", timeout=60_000)
     assert "context" in (await refused.get_attribute("title") or "")
-    assert "New chat" in await page.inner_text("#status")
+    assert "New chat" in await page.inner_text("#status")  # for people: no raw code
+    assert "context_length" not in await page.inner_text("#status")
     assert await page.input_value("#input") == too_long.strip()  # back to edit
     assert await page.locator(".msg.assistant").count() == 0
 
@@ -206,7 +328,7 @@ async def test_a_message_over_the_context_is_marked_not_sent_and_the_chat_goes_o
 
 
 async def test_kv_view_draws_both_pools_and_counts_every_block(
-    open_page: Callable[[str], Awaitable[Page]],
+    open_page: OpenPage,
 ) -> None:
     opened = await open_page("/kv")
     page = opened.page
@@ -220,7 +342,7 @@ async def test_kv_view_draws_both_pools_and_counts_every_block(
 
 
 async def test_stop_ends_an_answer_as_cancelled_and_the_chat_goes_on(
-    open_page: Callable[[str], Awaitable[Page]],
+    open_page: OpenPage,
 ) -> None:
     opened = await new_chat(open_page)
     page = opened.page
@@ -236,7 +358,7 @@ async def test_stop_ends_an_answer_as_cancelled_and_the_chat_goes_on(
 
 
 async def test_kv_view_lists_a_streaming_answer_with_its_blocks(
-    server: ServerProcess, open_page: Callable[[str], Awaitable[Page]]
+    server: ServerProcess, open_page: OpenPage
 ) -> None:
     opened = await open_page("/kv")
     page = opened.page
