@@ -13,6 +13,8 @@ from pathlib import Path
 import msgspec
 import redis.exceptions
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -21,7 +23,7 @@ from starlette.websockets import WebSocket
 from service.api import pagemap, stats
 from service.api.auth import guarded
 from service.api.connection import ChatConnection
-from service.api.openai import ChatCompletions
+from service.api.openai import ChatCompletions, http_error
 from service.api.service import ChatService
 from service.engine.async_engine import EngineDeadError
 
@@ -126,10 +128,30 @@ def create_app(service: ChatService) -> Starlette:
             Route("/v1/kv", guarded(service, kv_json, admin=True)),
             Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
             Route("/v1/models", guarded(service, completions.models)),
+            Route("/v1/models/{name:path}", guarded(service, completions.model)),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_view),
             Route("/favicon.ico", favicon),
         ],
         lifespan=lifespan,
+        # Unknown routes and methods under /v1/ answer in OpenAI's error shape.
+        exception_handlers={404: http_error, 405: http_error},
+        middleware=_cors(service.config.cors_allowed_origins),
     )
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Browsers' cross-origin calls to the HTTP API from `origins` (preflights answered);
+    none: no CORS headers at all, so a page elsewhere cannot read the API's answers."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # the SDKs send headers of their own (x-stainless-*)
+            max_age=600,
+        )
+    ]

@@ -84,6 +84,10 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     # Peers (addresses or networks) whose X-Forwarded-For names the client; none by default.
     trusted_proxies: tuple[str, ...] = ()
+    # The model names the OpenAI endpoints answer to, the first listed; none: the model's id.
+    served_model_names: tuple[str, ...] = ()
+    # Origins whose pages may call the HTTP API (CORS); "*": any. None by default: no CORS.
+    cors_allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -97,6 +101,10 @@ class ServerConfig:
             self.api_keys_file = Path(self.api_keys_file)
         self.allowed_origins = tuple(
             "*" if origin == "*" else normalize_origin(origin) for origin in self.allowed_origins
+        )
+        self.cors_allowed_origins = tuple(
+            "*" if origin == "*" else normalize_origin(origin)
+            for origin in self.cors_allowed_origins
         )
         for proxy in self.trusted_proxies:
             try:

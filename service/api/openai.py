@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from service.api.auth import cache_salt_for, principal_of
 from service.api.frames import ErrorCode, FrameError
@@ -31,6 +32,7 @@ from service.api.openai_request import (
     OpenAIError,
     decode_request,
     invalid,
+    model_not_found,
     render_prompt,
     sampling_params,
 )
@@ -59,28 +61,32 @@ class ChatCompletions:
     def __init__(self, service: ChatService) -> None:
         self.service = service
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model names this server answers to (--served-model-name), the first listed."""
+        return self.service.config.served_model_names or (self.service.model_id,)
+
+    def _model(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pagechat"}
+
     async def models(self, request: Request) -> Response:
-        body = {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.service.model_id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "pagechat",
-                }
-            ],
-        }
+        body = {"object": "list", "data": [self._model(self.names[0])]}
         return Response(_json.encode(body), media_type="application/json")
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in self.names:
+            return self._error(model_not_found(name, self.names))
+        return Response(_json.encode(self._model(name)), media_type="application/json")
 
     async def create(self, request: Request) -> Response:
         received = time.monotonic()
         engine = self.service.engine.engine
         limits = self.service.config.limits
         try:
-            req = decode_request(await _body(request, limits.ws_max_size), self.service.model_id)
-            prompt = render_prompt(req, engine.tokenizer, limits, engine.max_model_len)
-            params = sampling_params(req, limits)
+            req = decode_request(await _body(request, limits.ws_max_size), self.names)
+            prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
+            params = sampling_params(req, limits, len(prompt), engine.max_model_len)
         except OpenAIError as exc:
             return self._error(exc)
         key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
@@ -88,7 +94,8 @@ class ChatCompletions:
         if refused is not None:
             return self._error(_refusal(refused))
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
-        completion = _Completion(self.service, req, prompt, params, key, received, scope)
+        model = req.model or self.names[0]  # answers name the model as it was asked for
+        completion = _Completion(self.service, req, prompt, params, key, received, scope, model)
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
@@ -108,7 +115,21 @@ class ChatCompletions:
 
     def _error(self, exc: OpenAIError) -> Response:
         self.service.metrics.errors.labels(exc.code).inc()
-        return exc.response()
+        # NOTE: an overloaded server is usually free again within a second or two.
+        headers = {"Retry-After": "1"} if exc.code == ErrorCode.OVERLOADED.value else None
+        return exc.response(headers)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404s and 405s: in OpenAI's error shape under /v1/, so that a client of
+    the API always gets JSON; as plain text elsewhere, as Starlette writes them."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if not path.startswith("/v1/"):
+        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
+    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+    message = f"{request.method} {path}: {exc.detail}"
+    return OpenAIError(exc.status_code, message, code).response(exc.headers)
 
 
 def http_cache_scope(tenant: str, cache_salt: str | None) -> CacheScope:
@@ -151,6 +172,7 @@ class _Completion:
         key: str,
         received: float,  # time.monotonic() when the request arrived
         scope: CacheScope | None,
+        model: str,
     ) -> None:
         self.service = service
         self.scope = scope
@@ -161,7 +183,8 @@ class _Completion:
         self.received = received
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.model = service.model_id
+        self.model = model
+        self.tokenizer = service.engine.engine.tokenizer
         # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0
@@ -200,11 +223,13 @@ class _Completion:
     async def whole(self) -> Response:
         texts = [""] * self.params.n
         reasons: list[str | None] = [None] * self.params.n
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(self.params.n)]
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
                     self._count(out)
                     texts[out.index] += out.new_text
+                    logprobs[out.index] += self._logprobs(out)
                     if out.finished:
                         reasons[out.index] = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
@@ -217,7 +242,8 @@ class _Completion:
             "choices": [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": self._choice_logprobs(logprobs[i]),
                     "finish_reason": reasons[i] or "stop",
                 }
                 for i, text in enumerate(texts)
@@ -229,15 +255,24 @@ class _Completion:
     async def events(self) -> AsyncIterator[bytes]:
         """SSE events: a role delta per choice, content deltas, finish reasons, [DONE]."""
         for i in range(self.params.n):
-            yield self._chunk([{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}])
+            role = {"role": "assistant", "content": ""}
+            yield self._chunk(
+                [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
+            )
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
                     self._count(out)
                     delta = {"content": out.new_text} if out.new_text else {}
                     reason = _finish(out.finish_reason) if out.finished else None
-                    if delta or reason:
-                        choice = {"index": out.index, "delta": delta, "finish_reason": reason}
+                    logprobs = self._logprobs(out)
+                    if delta or reason or logprobs:
+                        choice = {
+                            "index": out.index,
+                            "delta": delta,
+                            "logprobs": self._choice_logprobs(logprobs),
+                            "finish_reason": reason,
+                        }
                         yield self._chunk([choice])
         except (RequestError, EngineDeadError) as exc:
             yield _event(_failure(exc).body())
@@ -246,6 +281,25 @@ class _Completion:
         if options is not None and options.include_usage:
             yield self._chunk([], usage=self.usage())
         yield b"data: [DONE]\n\n"
+
+    def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """OpenAI's entry per new token: the chosen token's, then the top ones'."""
+        entries = []
+        for (token_id, logprob), *top in out.logprobs or []:
+            entry = self._token(token_id, logprob)
+            entry["top_logprobs"] = [self._token(t, lp) for t, lp in top]
+            entries.append(entry)
+        return entries
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([token_id])
+        # NOTE: -inf (a token top-k or top-p ruled out) is no JSON number; vLLM says -9999.
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+    def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if self.params.logprobs is None:
+            return None
+        return {"content": entries, "refusal": None}
 
     def _count(self, out: RequestOutput) -> None:
         self.last = out

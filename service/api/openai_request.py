@@ -1,9 +1,18 @@
 """The OpenAI chat completion request: its fields, and how one becomes a prompt and sampling
 parameters, or an `OpenAIError` in OpenAI's shape (`{"error": {"message", "type", "param",
-"code"}}`) saying what is wrong with it."""
+"code"}}`) saying what is wrong with it.
+
+NOTE (schema): as vLLM's server does, every field of OpenAI's request is accepted, and an
+explicit null means the field's default. A field is honoured, or ignored (metadata and hints
+that change nothing an answer holds), or refused with a 400 naming it when it asks for what
+this server cannot do (tools, JSON output, audio, penalties). A field OpenAI does not have is
+refused too, so a misspelt option never silently does nothing. docs/protocol.md lists each.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -11,50 +20,98 @@ from starlette.responses import Response
 
 from service.api.config import Limits
 from service.engine.params import SamplingParams
-from service.engine.tokenizer import Tokenizer
+from service.sessions.prompt import ChatFormat
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_TOP_LOGPROBS = 20
 
 _json = msgspec.json.Encoder()
 
 
-class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ContentPart(msgspec.Struct, kw_only=True):
+    """A part of a message's content; other kinds than text (images, audio, files) carry
+    fields of their own, and are refused by their `type`."""
+
     type: str
-    text: str = ""
+    text: str | None = None
+    refusal: str | None = None  # an assistant's {"type": "refusal"} part
 
 
 class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # ignored
+    # What the SDK's own assistant message carries (`message.model_dump()`): a refusal's
+    # text and annotations (ignored), and tool calls, a function call and audio (refused
+    # unless empty).
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    tool_call_id: str | None = None  # a tool message's: refused with its role
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # ignored: no padding is ever sent
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # only "text"; a json_schema's own fields are never read
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The subset of OpenAI's request this server honours; any other field is refused."""
-
     messages: list[ChatMessageIn]
     model: str | None = None
+    # Honoured.
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None  # accepted, unused
-    # vLLM's: a secret string salting this request's prefix-cache blocks, so that only
-    # requests with the same salt (and tenant) share them. Non-empty when given.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's, honoured: top_k (0 or -1: off), ignore_eos, stop_token_ids, and cache_salt: a
+    # secret string salting this request's prefix-cache blocks, so that only requests with
+    # the same salt (and tenant) share them. Non-empty when given.
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
-    # Accepted only at their neutral values, so a client that sends the defaults still works.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool = False
+    # Ignored: they change nothing an answer holds.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # Accepted at their neutral values only (null, empty, 0, "none", ["text"]).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
+    min_tokens: int | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    # Refused whenever given.
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
 
 class OpenAIError(Exception):
@@ -75,42 +132,100 @@ class OpenAIError(Exception):
             }
         }
 
-    def response(self) -> Response:
-        return Response(_json.encode(self.body()), self.status, media_type="application/json")
+    def response(self, headers: Mapping[str, str] | None = None) -> Response:
+        return Response(
+            _json.encode(self.body()), self.status, headers, media_type="application/json"
+        )
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
     return OpenAIError(400, message, code, param)
 
 
-def decode_request(body: bytes, model_id: str) -> ChatCompletionRequest:
-    """The request, or OpenAIError for a body that is not one this server can serve."""
+def unsupported(param: str, what: str = "is not supported by this server") -> OpenAIError:
+    return OpenAIError(400, f"{param} {what}", "unsupported_parameter", param)
+
+
+def model_not_found(name: str, served: tuple[str, ...]) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"the model {name!r} does not exist here; this server serves {served[0]!r} "
+        "(GET /v1/models)",
+        "model_not_found",
+        "model",
+    )
+
+
+_AT = re.compile(r"(?:Object contains unknown field `([^`]*)`|.*?)(?: - at `\$\.?([^`]*)`)?$")
+
+
+def decode_error(exc: msgspec.DecodeError, what: str) -> OpenAIError:
+    """A body that is not JSON, or not of the request's shape, with the field it names."""
+    param = None
+    if match := _AT.match(str(exc)):
+        unknown, path = match.groups()
+        param = ".".join(p for p in (path, unknown) if p) or None
+    return invalid(f"not a valid {what}: {exc}", param, "bad_request")
+
+
+def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionRequest:
+    """The request, or OpenAIError for a body that is not one this server can serve.
+    `served`: the model names this server answers to."""
     try:
         req = msgspec.json.decode(body, type=ChatCompletionRequest)
     except msgspec.DecodeError as exc:
-        raise invalid(f"not a valid chat completion request: {exc}", code="bad_request") from None
-    if req.model is not None and req.model != model_id:
-        raise OpenAIError(
-            404,
-            f"the model {req.model!r} does not exist here; this server serves "
-            f"{model_id!r} (GET /v1/models)",
-            "model_not_found",
-            "model",
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0.0:
-            raise invalid(f"{name} is not supported (only 0)", name, "unsupported_value")
-    if req.logprobs:
-        raise invalid("logprobs are not supported here", "logprobs", "unsupported_value")
+        raise decode_error(exc, "chat completion request") from None
+    if req.model is not None and req.model not in served:
+        raise model_not_found(req.model, served)
+    _refuse_what_cannot_be_honoured(req)
     if req.cache_salt is not None and not req.cache_salt:
         raise invalid("cache_salt must be a non-empty string", "cache_salt")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     return req
 
 
+def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
+    neutral: list[tuple[str, object, object]] = [
+        ("frequency_penalty", req.frequency_penalty, 0),
+        ("presence_penalty", req.presence_penalty, 0),
+        ("repetition_penalty", req.repetition_penalty, 1),
+        ("min_tokens", req.min_tokens, 0),
+    ]
+    for name, value, default in neutral:
+        if value is not None and value != default:
+            raise invalid(f"{name} is not supported (only {default})", name, "unsupported_value")
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported (only {})", "logit_bias", "unsupported_value")
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise unsupported(name, "is not supported: this server makes no tool calls")
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise unsupported(name, "is not supported: this server makes no tool calls")
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        raise unsupported("modalities", "may only be ['text']")
+    for name in ("audio", "prediction", "web_search_options", "moderation"):
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise invalid(
+            f"response_format {req.response_format.type!r} is not supported (only 'text')",
+            "response_format",
+            "unsupported_value",
+        )
+
+
 def render_prompt(
-    req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, max_model_len: int
+    req: ChatCompletionRequest, chat: ChatFormat, limits: Limits, max_model_len: int
 ) -> list[int]:
-    """The conversation through the model's chat template, contents as plain text."""
+    """The conversation through the model's chat template, contents as plain text.
+
+    A conversation that ends with an assistant message is continued: no new turn is opened,
+    and the message's text is the start of the answer (only what follows it is returned)."""
     if not req.messages:
         raise invalid("messages must hold at least one message", "messages")
     rendered = []
@@ -118,55 +233,106 @@ def render_prompt(
         param = f"messages[{i}]"
         role = ROLES.get(message.role)
         if role is None:
-            raise invalid(f"{param}.role {message.role!r} is not one of {sorted(ROLES)}", param)
+            raise invalid(
+                f"{param}.role {message.role!r} is not one of {sorted(ROLES)}", f"{param}.role"
+            )
+        if message.tool_calls or message.function_call is not None:
+            raise unsupported(f"{param}.tool_calls", "are not supported: no tools here")
+        if message.audio is not None:
+            raise unsupported(f"{param}.audio")
         content = _text(message.content, param)
         cap = limits.max_system_chars if role == "system" else limits.max_message_chars
         if len(content) > cap:
-            raise invalid(f"{param}.content has {len(content)} characters; at most {cap}")
+            raise invalid(f"{param}.content has {len(content)} characters; at most {cap}", param)
         rendered.append({"role": role, "content": content})
-    if rendered[-1]["role"] != "user":
-        raise invalid("the last message must be the user's", "messages")
-    prompt = tokenizer.apply_chat_template(rendered)
+    if rendered[-1]["role"] == "assistant":
+        prompt = _continuation(chat, rendered)
+    else:
+        prompt = chat.tokenizer.apply_chat_template(rendered)
     if len(prompt) >= max_model_len:
-        raise invalid(
-            f"the messages take {len(prompt)} tokens; the model's context holds {max_model_len} "
-            "including the answer",
-            "messages",
-            "context_length_exceeded",
-        )
+        raise context_exceeded(len(prompt), max_model_len)
     return prompt
 
 
-def sampling_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
-    """OpenAI's sampling fields as the engine's parameters, within the server's limits."""
+def _continuation(chat: ChatFormat, rendered: list[dict[str, str]]) -> list[int]:
+    """The conversation with its last (assistant) turn left open: rendered closed, less the
+    tokens the template ends a turn with (ChatFormat.end_of_turn)."""
+    closed = chat.tokenizer.apply_chat_template(rendered, add_generation_prompt=False)
+    end = chat.end_of_turn
+    if closed[-len(end) :] != end:
+        raise invalid("this model's template cannot continue an assistant message", "messages")
+    return closed[: -len(end)]
+
+
+def context_exceeded(prompt_tokens: int, max_model_len: int, max_tokens: int = 0) -> OpenAIError:
+    """vLLM's refusal of a request that cannot fit the model's context."""
+    asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages"
+    asked += f", {max_tokens} in the completion)" if max_tokens else ")"
+    return invalid(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {asked}. Please reduce the length of the messages or completion.",
+        "max_tokens" if max_tokens else "messages",
+        "context_length_exceeded",
+    )
+
+
+def sampling_params(
+    req: ChatCompletionRequest, limits: Limits, prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """OpenAI's sampling fields as the engine's parameters, within the server's limits.
+
+    Without max_tokens an answer may take the default, or what the context has left if
+    less; an explicit max_tokens that the context cannot hold is refused (as vLLM does)."""
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if asked is not None and asked < 1:  # 0 is no answer at all, never "the default"
         raise invalid("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
-    max_tokens = asked or limits.default_max_tokens
-    if max_tokens > limits.max_tokens:
-        raise invalid(f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}", "max_tokens")
+    if asked is not None and asked > limits.max_tokens:
+        raise invalid(f"max_tokens is {asked}; the limit is {limits.max_tokens}", "max_tokens")
+    room = max_model_len - prompt_tokens
+    if asked is not None and asked > room:
+        raise context_exceeded(prompt_tokens, max_model_len, asked)
+    max_tokens = asked if asked is not None else min(limits.default_max_tokens, room)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
+    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            n=1 if req.n is None else req.n,
             seed=req.seed,
             stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
     except ValueError as exc:
-        raise invalid(str(exc)) from None
+        raise invalid(str(exc), _field_named(str(exc))) from None
 
 
-def _text(content: str | list[TextPart] | None, param: str) -> str:
+def _field_named(message: str) -> str | None:
+    """The request field a SamplingParams error is about ("top_p must be ..." -> top_p)."""
+    name = message.split(" ", 1)[0]
+    if name == "logprobs":
+        return "top_logprobs"
+    return name if name in ChatCompletionRequest.__struct_fields__ else None
+
+
+def _text(content: str | list[ContentPart] | None, param: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    for part in content:
-        if part.type != "text":
-            raise invalid(f"{param}: only text content parts are supported", param)
-    return "".join(part.text for part in content)
+    texts = []
+    for j, part in enumerate(content):
+        if part.type == "text":
+            texts.append(part.text or "")
+        elif part.type != "refusal":  # a refusal part says nothing the model should read
+            raise invalid(
+                f"{param}.content[{j}]: only text content parts are supported, not {part.type!r}",
+                f"{param}.content",
+            )
+    return "".join(texts)

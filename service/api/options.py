@@ -137,6 +137,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         (),
         "comma-separated proxy addresses or networks whose X-Forwarded-For names the client",
     )
+    opt(
+        parser,
+        "served-model-name",
+        _names,
+        (),
+        "comma-separated model names the OpenAI API answers to, the first listed"
+        " (default: the model's id)",
+    )
+    opt(
+        parser,
+        "cors-allowed-origins",
+        _names,
+        (),
+        "comma-separated origins whose pages may call the HTTP API (CORS; '*': any); none: off",
+    )
     opt(parser, "log-level", str, "info", "debug | info | warning | error")
     _flag(parser, "access-log", "log every HTTP request and WebSocket")
 
@@ -187,4 +202,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_keys_file=args.api_keys_file,
         allowed_origins=args.allowed_origins,
         trusted_proxies=args.trusted_proxies,
+        served_model_names=args.served_model_name,
+        cors_allowed_origins=args.cors_allowed_origins,
     )

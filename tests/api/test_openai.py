@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoints against a real `pagechat serve`: /v1/models, and
-/v1/chat/completions whole and streamed (SSE), with every refusal in OpenAI's error shape."""
+/v1/chat/completions whole and streamed (SSE), with every refusal in OpenAI's error shape,
+served model names, CORS and log-probabilities."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 65536
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+NAMES = ("smol", "gpt-4o-mini")  # --served-model-name: the first listed
+APP_ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens-limit", "128"),
         *("--default-max-tokens", "64"),
         *("--max-inflight-turns", "1", "--ws-max-size", str(BODY_LIMIT)),
+        *("--served-model-name", ",".join(NAMES), "--cors-allowed-origins", APP_ORIGIN),
     ) as server:
         yield server
 
@@ -39,12 +43,17 @@ async def balanced(server: ServerProcess) -> AsyncIterator[None]:
     await wait_balanced(server)
 
 
+LAST_HEADERS: dict[str, str] = {}  # post's latest response's headers
+
+
 def post(server: ServerProcess, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
         conn.request("POST", "/v1/chat/completions", data, {"content-type": "application/json"})
         response = conn.getresponse()
+        LAST_HEADERS.clear()
+        LAST_HEADERS.update((k.lower(), v) for k, v in response.getheaders())
         return response.status, json.loads(response.read())
     finally:
         conn.close()
@@ -67,12 +76,73 @@ def stream(server: ServerProcess, body: dict[str, Any]) -> list[str]:
         conn.close()
 
 
-def test_models_lists_the_served_model(server: ServerProcess) -> None:
+def request(
+    server: ServerProcess, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def test_models_lists_the_first_served_name_and_retrieves_each(server: ServerProcess) -> None:
     status, body = server.get("/v1/models")
     assert status == 200
     (model,) = json.loads(body)["data"]
-    assert model["object"] == "model"
-    assert model["id"] == json.loads(server.get("/health")[1])["model"]
+    assert (model["object"], model["id"]) == ("model", NAMES[0])
+    for name in NAMES:
+        status, body = server.get(f"/v1/models/{name}")
+        assert (status, json.loads(body)["id"]) == (200, name)
+    status, body = server.get("/v1/models/gpt-5")
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_an_answer_names_the_model_as_it_was_asked_for(server: ServerProcess) -> None:
+    for asked, named in [(None, NAMES[0]), (NAMES[1], NAMES[1])]:
+        body = {"messages": FRANCE, "max_tokens": 1, "model": asked}
+        status, result = post(server, body)
+        assert (status, result["model"]) == (200, named)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/nope", 404),
+        ("POST", "/v1/completions/x", 404),
+        ("GET", "/v1/chat/completions", 405),
+    ],
+)
+def test_unknown_routes_under_v1_answer_in_openais_shape(
+    server: ServerProcess, method: str, path: str, status: int
+) -> None:
+    got, headers, body = request(server, method, path)
+    assert got == status
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["code"] in ("not_found", "method_not_allowed") and path in error["message"]
+
+
+def test_cors_answers_a_preflight_from_an_allowed_origin_only(server: ServerProcess) -> None:
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type, x-stainless-os",
+    }
+    status, headers, _ = request(
+        server, "OPTIONS", "/v1/chat/completions", {"origin": APP_ORIGIN, **preflight}
+    )
+    assert status == 200
+    assert headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "x-stainless-os" in headers["access-control-allow-headers"].lower()
+    status, headers, _ = request(server, "GET", "/v1/models", {"origin": APP_ORIGIN})
+    assert headers["access-control-allow-origin"] == APP_ORIGIN
+    status, headers, _ = request(
+        server, "OPTIONS", "/v1/chat/completions", {"origin": "https://evil.example", **preflight}
+    )
+    assert status == 400 and "access-control-allow-origin" not in headers
 
 
 def test_a_completion_answers_and_a_repeat_hits_the_prefix_cache(server: ServerProcess) -> None:
@@ -105,13 +175,44 @@ def test_a_stream_sends_the_role_then_deltas_then_the_finish_usage_and_done(
     chunks = [json.loads(e) for e in events[:-1]]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert len({c["id"] for c in chunks}) == 1
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     deltas = [c["choices"][0] for c in chunks[1:-1]]
     assert "".join(d["delta"].get("content", "") for d in deltas).strip()
     assert deltas[-1]["finish_reason"] in ("stop", "length")
     assert all(d["finish_reason"] is None for d in deltas[:-1])
     usage = chunks[-1]
     assert usage["choices"] == [] and 1 <= usage["usage"]["completion_tokens"] <= 6
+
+
+def test_logprobs_come_per_token_with_the_top_alternatives(server: ServerProcess) -> None:
+    body = {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "logprobs": True}
+    status, result = post(server, {**body, "top_logprobs": 3})
+    assert status == 200, result
+    (choice,) = result["choices"]
+    entries = choice["logprobs"]["content"]
+    assert len(entries) == result["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"]
+    for entry in entries:
+        assert len(entry["top_logprobs"]) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    events = stream(server, body)
+    streamed = [json.loads(e)["choices"] for e in events[:-1]]
+    tokens = [e for c in streamed if c and c[0]["logprobs"] for e in c[0]["logprobs"]["content"]]
+    assert [e["token"] for e in tokens] == [e["token"] for e in entries]
+    assert all(e["top_logprobs"] == [] for e in tokens)
+
+
+def test_a_final_assistant_message_is_continued(server: ServerProcess) -> None:
+    begun = "The capital of France is"
+    body = {"messages": [*FRANCE, {"role": "assistant", "content": begun}], "temperature": 0}
+    status, result = post(server, {**body, "max_tokens": 4})
+    assert status == 200, result
+    # Only what follows the given start comes back.
+    assert "Paris" in result["choices"][0]["message"]["content"]
+    assert not result["choices"][0]["message"]["content"].startswith(begun)
 
 
 def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
@@ -127,10 +228,10 @@ def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
     ("body", "status", "code"),
     [
         (b"{not json", 400, "bad_request"),
-        ({"messages": FRANCE, "tools": []}, 400, "bad_request"),
+        ({"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+        ({"messages": FRANCE, "no_such_field": 1}, 400, "bad_request"),
         ({"messages": []}, 400, "invalid_value"),
         ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),
-        ({"messages": [*FRANCE, {"role": "assistant", "content": "Hm"}]}, 400, "invalid_value"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]},
             400,
@@ -140,7 +241,16 @@ def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
         ({"messages": FRANCE, "max_tokens": 129}, 400, "invalid_value"),
         ({"messages": FRANCE, "temperature": -1}, 400, "invalid_value"),
         ({"messages": FRANCE, "presence_penalty": 0.5}, 400, "unsupported_value"),
-        ({"messages": FRANCE, "logprobs": True}, 400, "unsupported_value"),
+        (
+            {"messages": FRANCE, "response_format": {"type": "json_object"}},
+            400,
+            "unsupported_value",
+        ),
+        (  # the prompt fits, the prompt and the answer asked for do not
+            {"messages": [{"role": "user", "content": "river " * 150}], "max_tokens": 128},
+            400,
+            "context_length_exceeded",
+        ),
         (
             {"messages": [{"role": "user", "content": "river " * 300}]},
             400,
@@ -186,8 +296,10 @@ async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: Server
     while (await server.astats())["queue"]["inflight_turns"] == 0:
         await asyncio.sleep(0.01)
     status, result = await asyncio.to_thread(post, server, {"messages": FRANCE})
+    retry_after = LAST_HEADERS.get("retry-after")
     assert status == 429
     assert result["error"]["code"] == "overloaded"
+    assert retry_after == "1"
     assert (await first)[-1] == "[DONE]"
 
 
