@@ -366,8 +366,10 @@ async def test_kv_view_lists_a_streaming_answer_with_its_blocks(
         session = await chat.open()
         await chat.send_user("Tell me about the sea.", max_tokens=96, ignore_eos=True)
         assert isinstance(await chat.receive(), Delta)
+        # The view polls twice a second: its first snapshot may predate the admission
+        # (status "waiting"), so wait for the one that shows the answer running.
         row = page.locator("#sequences tr", has_text=f"{session_tag(session.session_id)}/0")
-        await row.wait_for(timeout=10_000)
+        await row.filter(has_text="running").wait_for(timeout=10_000)
         cells = await row.locator("td").all_inner_texts()
         assert cells[1] == "running"
         assert await row.locator(".strip i").count() >= int(cells[2]) // 16
