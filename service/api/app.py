@@ -127,6 +127,7 @@ def create_app(service: ChatService) -> Starlette:
             Route("/v1/stats", guarded(service, stats_json, admin=True)),
             Route("/v1/kv", guarded(service, kv_json, admin=True)),
             Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
+            Route("/v1/completions", guarded(service, completions.create_text), methods=["POST"]),
             Route("/v1/models", guarded(service, completions.models)),
             Route("/v1/models/{name:path}", guarded(service, completions.model)),
             Route("/metrics", metrics),

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP: POST /v1/chat/completions (JSON, or an SSE stream) and GET /v1/models.
+"""OpenAI-compatible HTTP: POST /v1/chat/completions and /v1/completions (JSON, or an SSE
+stream), GET /v1/models and /v1/models/{name}.
 
 Stateless: each request carries its whole conversation, rendered with the model's chat
 template (message contents as plain text, never special tokens). The prefix cache still
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,6 +28,12 @@ from starlette.responses import PlainTextResponse, Response
 
 from service.api.auth import cache_salt_for, principal_of
 from service.api.frames import ErrorCode, FrameError
+from service.api.openai_completions import (
+    CompletionRequest,
+    completion_params,
+    completion_prompt,
+    decode_completion_request,
+)
 from service.api.openai_request import (
     ChatCompletionRequest,
     OpenAIError,
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
 STATUS_OF = {ErrorCode.SHUTTING_DOWN: 503, ErrorCode.OVERLOADED: 429}
 
 _json = msgspec.json.Encoder()
+AnyRequest = ChatCompletionRequest | CompletionRequest
 
 
 # ---------------------------------------------------------------------- the endpoint
@@ -80,13 +88,35 @@ class ChatCompletions:
         return Response(_json.encode(self._model(name)), media_type="application/json")
 
     async def create(self, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        return await self._answer(request, self._chat)
+
+    async def create_text(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._answer(request, self._text)
+
+    def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+        engine, limits = self.service.engine.engine, self.service.config.limits
+        req = decode_request(body, self.names)
+        prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
+        return req, prompt, sampling_params(req, limits, len(prompt), engine.max_model_len)
+
+    def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
+        engine, limits = self.service.engine.engine, self.service.config.limits
+        req = decode_completion_request(body, self.names)
+        prompt = completion_prompt(req, engine.tokenizer, limits, engine.max_model_len)
+        return req, prompt, completion_params(req, limits, len(prompt), engine.max_model_len)
+
+    async def _answer(
+        self,
+        request: Request,
+        parse: Callable[[bytes], tuple[AnyRequest, list[int], SamplingParams]],
+    ) -> Response:
         received = time.monotonic()
-        engine = self.service.engine.engine
-        limits = self.service.config.limits
         try:
-            req = decode_request(await _body(request, limits.ws_max_size), self.names)
-            prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
-            params = sampling_params(req, limits, len(prompt), engine.max_model_len)
+            req, prompt, params = parse(
+                await _body(request, self.service.config.limits.ws_max_size)
+            )
         except OpenAIError as exc:
             return self._error(exc)
         key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
@@ -166,7 +196,7 @@ class _Completion:
     def __init__(
         self,
         service: ChatService,
-        req: ChatCompletionRequest,
+        req: AnyRequest,
         prompt: list[int],
         params: SamplingParams,
         key: str,
@@ -181,7 +211,8 @@ class _Completion:
         self.params = params
         self.key = key  # its slot among the server's in-flight answers
         self.received = received
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.chat = isinstance(req, ChatCompletionRequest)  # else a text completion
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.tokenizer = service.engine.engine.tokenizer
@@ -190,6 +221,7 @@ class _Completion:
         self.completion_tokens = 0
         self._last_token_at: float | None = None
         self._reasons: list[str] = []  # finish reason of each sample that finished
+        self._offsets = [0] * params.n  # each text choice's length so far (text_offset)
         self._closed = False
 
     def close(self) -> None:
@@ -236,16 +268,11 @@ class _Completion:
             return _failure(exc).response()
         body = {
             "id": self.id,
-            "object": "chat.completion",
+            "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": self._choice_logprobs(logprobs[i]),
-                    "finish_reason": reasons[i] or "stop",
-                }
+                self._choice(i, text, logprobs[i], reasons[i] or "stop", whole=True)
                 for i, text in enumerate(texts)
             ],
             "usage": self.usage(),
@@ -253,8 +280,9 @@ class _Completion:
         return Response(_json.encode(body), media_type="application/json")
 
     async def events(self) -> AsyncIterator[bytes]:
-        """SSE events: a role delta per choice, content deltas, finish reasons, [DONE]."""
-        for i in range(self.params.n):
+        """SSE events: (chat) a role delta per choice, then text deltas, finish reasons, the
+        usage if asked for, [DONE]."""
+        for i in range(self.params.n if self.chat else 0):
             role = {"role": "assistant", "content": ""}
             yield self._chunk(
                 [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
@@ -263,16 +291,10 @@ class _Completion:
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
                     self._count(out)
-                    delta = {"content": out.new_text} if out.new_text else {}
                     reason = _finish(out.finish_reason) if out.finished else None
                     logprobs = self._logprobs(out)
-                    if delta or reason or logprobs:
-                        choice = {
-                            "index": out.index,
-                            "delta": delta,
-                            "logprobs": self._choice_logprobs(logprobs),
-                            "finish_reason": reason,
-                        }
+                    if out.new_text or reason or logprobs:
+                        choice = self._choice(out.index, out.new_text, logprobs, reason)
                         yield self._chunk([choice])
         except (RequestError, EngineDeadError) as exc:
             yield _event(_failure(exc).body())
@@ -281,6 +303,42 @@ class _Completion:
         if options is not None and options.include_usage:
             yield self._chunk([], usage=self.usage())
         yield b"data: [DONE]\n\n"
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[dict[str, Any]],
+        reason: str | None,
+        whole: bool = False,
+    ) -> dict[str, Any]:
+        """A choice of a whole answer, or of a chunk (`text` new since the last one)."""
+        if not self.chat:
+            lp = self._text_logprobs(index, logprobs)
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        lp = None if self.params.logprobs is None else {"content": logprobs, "refusal": None}
+        if whole:
+            message = {"role": "assistant", "content": text, "refusal": None}
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+        delta = {"content": text} if text else {}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+    def _text_logprobs(self, index: int, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The text completion's (legacy) shape: parallel lists, offsets into the answer."""
+        if self.params.logprobs is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(entry["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
 
     def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
         """OpenAI's entry per new token: the chosen token's, then the top ones'."""
@@ -295,11 +353,6 @@ class _Completion:
         text = self.tokenizer.decode([token_id])
         # NOTE: -inf (a token top-k or top-p ruled out) is no JSON number; vLLM says -9999.
         return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
-
-    def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-        if self.params.logprobs is None:
-            return None
-        return {"content": entries, "refusal": None}
 
     def _count(self, out: RequestOutput) -> None:
         self.last = out
@@ -320,7 +373,7 @@ class _Completion:
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         chunk = {
             "id": self.id,
-            "object": "chat.completion.chunk",
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,

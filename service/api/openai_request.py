@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.responses import Response
@@ -188,7 +188,16 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionReques
     return req
 
 
-def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
+class PenaltyFields(Protocol):
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    repetition_penalty: float | None
+    min_tokens: int | None
+    logit_bias: dict[str, float] | None
+
+
+def refuse_penalties(req: PenaltyFields) -> None:
+    """Penalties, min_tokens and logit_bias: accepted at their neutral values only."""
     neutral: list[tuple[str, object, object]] = [
         ("frequency_penalty", req.frequency_penalty, 0),
         ("presence_penalty", req.presence_penalty, 0),
@@ -200,6 +209,10 @@ def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
             raise invalid(f"{name} is not supported (only {default})", name, "unsupported_value")
     if req.logit_bias:
         raise invalid("logit_bias is not supported (only {})", "logit_bias", "unsupported_value")
+
+
+def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
+    refuse_penalties(req)
     for name in ("tools", "functions"):
         if getattr(req, name):
             raise unsupported(name, "is not supported: this server makes no tool calls")
@@ -276,29 +289,56 @@ def context_exceeded(prompt_tokens: int, max_model_len: int, max_tokens: int = 0
     )
 
 
+class SamplingFields(Protocol):
+    """The sampling fields the chat and the text completion requests share."""
+
+    temperature: float | None
+    top_p: float | None
+    n: int | None
+    seed: int | None
+    stop: str | list[str] | None
+    top_k: int | None
+    ignore_eos: bool | None
+    stop_token_ids: list[int] | None
+
+
 def sampling_params(
     req: ChatCompletionRequest, limits: Limits, prompt_tokens: int, max_model_len: int
 ) -> SamplingParams:
+    """A chat request's sampling fields as the engine's parameters."""
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    room = max_model_len - prompt_tokens
+    default = min(limits.default_max_tokens, room)
+    return engine_params(req, limits, prompt_tokens, max_model_len, asked, default, logprobs)
+
+
+def engine_params(
+    req: SamplingFields,
+    limits: Limits,
+    prompt_tokens: int,
+    max_model_len: int,
+    asked: int | None,  # max_tokens as the request gives it
+    default: int,  # max_tokens when it does not
+    logprobs: int | None,  # top log-probabilities per token; None: none at all
+) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
-    Without max_tokens an answer may take the default, or what the context has left if
-    less; an explicit max_tokens that the context cannot hold is refused (as vLLM does)."""
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    An explicit max_tokens that the context cannot hold is refused (as vLLM does); the
+    default should fit what the context has left."""
     if asked is not None and asked < 1:  # 0 is no answer at all, never "the default"
         raise invalid("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
     if asked is not None and asked > limits.max_tokens:
         raise invalid(f"max_tokens is {asked}; the limit is {limits.max_tokens}", "max_tokens")
-    room = max_model_len - prompt_tokens
-    if asked is not None and asked > room:
+    if asked is not None and prompt_tokens + asked > max_model_len:
         raise context_exceeded(prompt_tokens, max_model_len, asked)
-    max_tokens = asked if asked is not None else min(limits.default_max_tokens, room)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=asked if asked is not None else default,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
@@ -307,7 +347,7 @@ def sampling_params(
             stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),
-            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise invalid(str(exc), _field_named(str(exc))) from None
@@ -318,7 +358,7 @@ def _field_named(message: str) -> str | None:
     name = message.split(" ", 1)[0]
     if name == "logprobs":
         return "top_logprobs"
-    return name if name in ChatCompletionRequest.__struct_fields__ else None
+    return name if name in SamplingFields.__annotations__ else None
 
 
 def _text(content: str | list[ContentPart] | None, param: str) -> str:

@@ -46,11 +46,13 @@ async def balanced(server: ServerProcess) -> AsyncIterator[None]:
 LAST_HEADERS: dict[str, str] = {}  # post's latest response's headers
 
 
-def post(server: ServerProcess, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def post(
+    server: ServerProcess, body: bytes | dict[str, Any], path: str = "/v1/chat/completions"
+) -> tuple[int, dict[str, Any]]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
-        conn.request("POST", "/v1/chat/completions", data, {"content-type": "application/json"})
+        conn.request("POST", path, data, {"content-type": "application/json"})
         response = conn.getresponse()
         LAST_HEADERS.clear()
         LAST_HEADERS.update((k.lower(), v) for k, v in response.getheaders())
@@ -59,11 +61,13 @@ def post(server: ServerProcess, body: bytes | dict[str, Any]) -> tuple[int, dict
         conn.close()
 
 
-def stream(server: ServerProcess, body: dict[str, Any]) -> list[str]:
+def stream(
+    server: ServerProcess, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> list[str]:
     """The SSE `data:` payloads of a streamed completion, in order."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
+        conn.request("POST", path, json.dumps({**body, "stream": True}))
         response = conn.getresponse()
         assert response.status == 200
         assert response.getheader("content-type", "").startswith("text/event-stream")
@@ -213,6 +217,29 @@ def test_a_final_assistant_message_is_continued(server: ServerProcess) -> None:
     # Only what follows the given start comes back.
     assert "Paris" in result["choices"][0]["message"]["content"]
     assert not result["choices"][0]["message"]["content"].startswith(begun)
+
+
+def test_a_text_completion_continues_the_prompt_whole_and_streamed(
+    server: ServerProcess,
+) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    status, result = post(server, {**body, "logprobs": 2}, "/v1/completions")
+    assert status == 200, result
+    assert result["object"] == "text_completion" and result["id"].startswith("cmpl-")
+    (choice,) = result["choices"]
+    assert "Paris" in choice["text"] and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"][0] == 0 and len(logprobs["top_logprobs"][0]) == 2
+    assert result["usage"]["completion_tokens"] == 4
+    events = stream(server, {**body, "stream_options": {"include_usage": True}}, "/v1/completions")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    status, refused = post(server, {**body, "echo": True}, "/v1/completions")
+    assert (status, refused["error"]["param"]) == (400, "echo")
 
 
 def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:

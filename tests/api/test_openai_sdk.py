@@ -196,6 +196,20 @@ def test_n_samples_and_logprobs(client: openai.OpenAI) -> None:
         assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
 
 
+def test_text_completions_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.completions.create(
+        model=NAMES[0], prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=1
+    )
+    (choice,) = whole.choices
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert whole.usage is not None and whole.usage.completion_tokens == 5
+    stream = client.completions.create(
+        model=NAMES[0], prompt="Once upon a time", max_tokens=5, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+
+
 def test_vllms_sampling_fields_go_through_extra_body(client: openai.OpenAI) -> None:
     extra = {"top_k": 5, "ignore_eos": True, "min_tokens": 0, "repetition_penalty": 1.0}
     completion = client.chat.completions.create(

@@ -1,0 +1,126 @@
+"""OpenAI's (legacy) text completion request, /v1/completions: a prompt in, text out.
+
+The prompt is a string, or token ids, or a list holding one of those; it is tokenized as
+plain text (no chat template, no special tokens). Nulls mean the default, as for chat
+(service.api.openai_request); `echo`, `suffix` and `best_of` other than `n` are refused.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from service.api.config import Limits
+from service.api.openai_request import (
+    OpenAIError,
+    StreamOptions,
+    context_exceeded,
+    decode_error,
+    engine_params,
+    invalid,
+    model_not_found,
+    refuse_penalties,
+    unsupported,
+)
+from service.engine.params import SamplingParams
+from service.engine.tokenizer import Tokenizer
+
+# OpenAI's and vLLM's default for a text completion, far below a chat answer's.
+DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+
+# A string, token ids, or a list of prompts (msgspec takes one list type in a union).
+Prompt = str | list[str | int | list[int]]
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: Prompt
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # this many top log-probabilities per token
+    # vLLM's (service.api.openai_request.ChatCompletionRequest says how).
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    user: str | None = None  # ignored
+    # Accepted at their neutral values only.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None  # only n
+    echo: bool | None = None  # only false
+    suffix: str | None = None  # only null
+
+
+def decode_completion_request(body: bytes, served: tuple[str, ...]) -> CompletionRequest:
+    try:
+        req = msgspec.json.decode(body, type=CompletionRequest)
+    except msgspec.DecodeError as exc:
+        raise decode_error(exc, "completion request") from None
+    if req.model is not None and req.model not in served:
+        raise model_not_found(req.model, served)
+    refuse_penalties(req)
+    if req.echo:
+        raise invalid("echo is not supported (only false)", "echo", "unsupported_value")
+    if req.suffix is not None:
+        raise unsupported("suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise invalid("best_of is not supported (only equal to n)", "best_of", "unsupported_value")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in 0..{MAX_LOGPROBS}", "logprobs")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise invalid("cache_salt must be a non-empty string", "cache_salt")
+    return req
+
+
+def completion_prompt(
+    req: CompletionRequest, tokenizer: Tokenizer, limits: Limits, max_model_len: int
+) -> list[int]:
+    """The prompt's token ids: a string tokenized as plain text, or the ids as given."""
+    prompt: str | int | list[str | int | list[int]] | list[int] = req.prompt
+    if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
+        if len(prompt) != 1:
+            raise invalid("prompt may hold one prompt only (send one request each)", "prompt")
+        (prompt,) = prompt
+    if isinstance(prompt, int):
+        raise invalid("prompt is a string, token ids, or a list of one of those", "prompt")
+    if isinstance(prompt, str):
+        if len(prompt) > limits.max_message_chars:
+            raise invalid(
+                f"prompt has {len(prompt)} characters; at most {limits.max_message_chars}",
+                "prompt",
+            )
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [t for t in prompt if isinstance(t, int)]
+        if len(ids) != len(prompt) or any(not 0 <= t < tokenizer.vocab_size for t in ids):
+            raise invalid(f"prompt token ids must be in 0..{tokenizer.vocab_size - 1}", "prompt")
+    if not ids:
+        raise invalid("prompt must not be empty", "prompt")
+    if len(ids) >= max_model_len:
+        raise context_exceeded(len(ids), max_model_len)
+    return ids
+
+
+def completion_params(
+    req: CompletionRequest, limits: Limits, prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    room = max_model_len - prompt_tokens
+    default = min(DEFAULT_MAX_TOKENS, limits.max_tokens, room)
+    try:
+        return engine_params(
+            req, limits, prompt_tokens, max_model_len, req.max_tokens, default, req.logprobs
+        )
+    except OpenAIError as exc:
+        if exc.param == "top_logprobs":  # the chat request's name for it
+            exc.param = "logprobs"
+        raise
