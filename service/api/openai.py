@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -28,6 +28,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from service.api.auth import cache_salt_for, principal_of
 from service.api.frames import ErrorCode, FrameError
+from service.api.openai_answer import Answer, AnyRequest
 from service.api.openai_completions import (
     CompletionRequest,
     completion_params,
@@ -38,17 +39,13 @@ from service.api.openai_request import (
     ChatCompletionRequest,
     OpenAIError,
     decode_request,
-    invalid,
     model_not_found,
     render_prompt,
     sampling_params,
 )
 from service.api.sse import EventStream, until_disconnected
-from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope
-from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
@@ -57,14 +54,13 @@ if TYPE_CHECKING:
 STATUS_OF = {ErrorCode.SHUTTING_DOWN: 503, ErrorCode.OVERLOADED: 429}
 
 _json = msgspec.json.Encoder()
-AnyRequest = ChatCompletionRequest | CompletionRequest
 
 
 # ---------------------------------------------------------------------- the endpoint
 
 
 class ChatCompletions:
-    """The handler of /v1/chat/completions, and of /v1/models."""
+    """The handlers of /v1/chat/completions, /v1/completions and /v1/models."""
 
     def __init__(self, service: ChatService) -> None:
         self.service = service
@@ -125,7 +121,7 @@ class ChatCompletions:
             return self._error(_refusal(refused))
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
         model = req.model or self.names[0]  # answers name the model as it was asked for
-        completion = _Completion(self.service, req, prompt, params, key, received, scope, model)
+        completion = Answer(self.service, req, prompt, params, key, received, scope, model)
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
@@ -181,212 +177,3 @@ async def _body(request: Request, limit: int) -> bytes:
 def _refusal(error: FrameError) -> OpenAIError:
     status = STATUS_OF.get(error.code, 503)
     return OpenAIError(status, error.message, error.code.value)
-
-
-def _finish(reason: FinishReason | None) -> str:
-    return "length" if reason is FinishReason.LENGTH else "stop"
-
-
-# ---------------------------------------------------------------------- one completion
-
-
-class _Completion:
-    """One request's answer, streamed as chunks or gathered whole."""
-
-    def __init__(
-        self,
-        service: ChatService,
-        req: AnyRequest,
-        prompt: list[int],
-        params: SamplingParams,
-        key: str,
-        received: float,  # time.monotonic() when the request arrived
-        scope: CacheScope | None,
-        model: str,
-    ) -> None:
-        self.service = service
-        self.scope = scope
-        self.req = req
-        self.prompt = prompt
-        self.params = params
-        self.key = key  # its slot among the server's in-flight answers
-        self.received = received
-        self.chat = isinstance(req, ChatCompletionRequest)  # else a text completion
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = model
-        self.tokenizer = service.engine.engine.tokenizer
-        # Filled as outputs arrive.
-        self.last: RequestOutput | None = None
-        self.completion_tokens = 0
-        self._last_token_at: float | None = None
-        self._reasons: list[str] = []  # finish reason of each sample that finished
-        self._offsets = [0] * params.n  # each text choice's length so far (text_offset)
-        self._closed = False
-
-    def close(self) -> None:
-        """Release the in-flight slot and count the answer (once, however it ended)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.service.end_turn(self.key)
-        metrics = self.service.metrics
-        metrics.e2e_latency.observe(time.monotonic() - self.received)
-        finished = len(self._reasons)
-        for reason in self._reasons:
-            metrics.turns.labels(reason).inc()
-        if finished < self.params.n:  # the client left, or the engine failed, first
-            metrics.turns.labels("disconnected").inc(self.params.n - finished)
-
-    def _outputs(self) -> AsyncIterator[RequestOutput]:
-        return self.service.engine.generate(
-            self.prompt, self.params, request_id=f"{self.key}/0", cache_scope=self.scope
-        )
-
-    def usage(self) -> dict[str, Any]:
-        cached = self.last.num_cached_tokens + self.last.num_swapped_in_tokens if self.last else 0
-        return {
-            "prompt_tokens": len(self.prompt),
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": len(self.prompt) + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    async def whole(self) -> Response:
-        texts = [""] * self.params.n
-        reasons: list[str | None] = [None] * self.params.n
-        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(self.params.n)]
-        try:
-            async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
-                async for out in outputs:
-                    self._count(out)
-                    texts[out.index] += out.new_text
-                    logprobs[out.index] += self._logprobs(out)
-                    if out.finished:
-                        reasons[out.index] = _finish(out.finish_reason)
-        except (RequestError, EngineDeadError) as exc:
-            return _failure(exc).response()
-        body = {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                self._choice(i, text, logprobs[i], reasons[i] or "stop", whole=True)
-                for i, text in enumerate(texts)
-            ],
-            "usage": self.usage(),
-        }
-        return Response(_json.encode(body), media_type="application/json")
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """SSE events: (chat) a role delta per choice, then text deltas, finish reasons, the
-        usage if asked for, [DONE]."""
-        for i in range(self.params.n if self.chat else 0):
-            role = {"role": "assistant", "content": ""}
-            yield self._chunk(
-                [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
-            )
-        try:
-            async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
-                async for out in outputs:
-                    self._count(out)
-                    reason = _finish(out.finish_reason) if out.finished else None
-                    logprobs = self._logprobs(out)
-                    if out.new_text or reason or logprobs:
-                        choice = self._choice(out.index, out.new_text, logprobs, reason)
-                        yield self._chunk([choice])
-        except (RequestError, EngineDeadError) as exc:
-            yield _event(_failure(exc).body())
-            return
-        options = self.req.stream_options
-        if options is not None and options.include_usage:
-            yield self._chunk([], usage=self.usage())
-        yield b"data: [DONE]\n\n"
-
-    def _choice(
-        self,
-        index: int,
-        text: str,
-        logprobs: list[dict[str, Any]],
-        reason: str | None,
-        whole: bool = False,
-    ) -> dict[str, Any]:
-        """A choice of a whole answer, or of a chunk (`text` new since the last one)."""
-        if not self.chat:
-            lp = self._text_logprobs(index, logprobs)
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
-        lp = None if self.params.logprobs is None else {"content": logprobs, "refusal": None}
-        if whole:
-            message = {"role": "assistant", "content": text, "refusal": None}
-            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
-        delta = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
-
-    def _text_logprobs(self, index: int, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """The text completion's (legacy) shape: parallel lists, offsets into the answer."""
-        if self.params.logprobs is None:
-            return None
-        offsets = []
-        for entry in entries:
-            offsets.append(self._offsets[index])
-            self._offsets[index] += len(entry["token"])
-        return {
-            "tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [
-                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
-            ],
-            "text_offset": offsets,
-        }
-
-    def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """OpenAI's entry per new token: the chosen token's, then the top ones'."""
-        entries = []
-        for (token_id, logprob), *top in out.logprobs or []:
-            entry = self._token(token_id, logprob)
-            entry["top_logprobs"] = [self._token(t, lp) for t, lp in top]
-            entries.append(entry)
-        return entries
-
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.tokenizer.decode([token_id])
-        # NOTE: -inf (a token top-k or top-p ruled out) is no JSON number; vLLM says -9999.
-        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
-
-    def _count(self, out: RequestOutput) -> None:
-        self.last = out
-        self.completion_tokens += len(out.new_token_ids)
-        if out.finished:
-            self._reasons.append(_finish(out.finish_reason))
-        if not out.new_token_ids:
-            return
-        metrics, now = self.service.metrics, time.monotonic()
-        if self._last_token_at is None:
-            metrics.time_to_first_token.observe(now - self.received)
-            if out.first_scheduled_time is not None:
-                metrics.queue_time.observe(max(0.0, out.first_scheduled_time - self.received))
-        else:
-            metrics.inter_token_latency.observe(now - self._last_token_at)
-        self._last_token_at = now
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        chunk = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-        return _event(chunk)
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + _json.encode(data) + b"\n\n"
-
-
-def _failure(exc: Exception) -> OpenAIError:
-    if isinstance(exc, RequestError):  # the engine refused the prompt (its context)
-        return invalid(str(exc), "messages", "context_length_exceeded")
-    return OpenAIError(503, str(exc), "engine_unavailable")
