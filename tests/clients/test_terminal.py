@@ -1,0 +1,267 @@
+"""The terminal client (clients/terminal.py) as a person uses it: in a real pseudo-terminal,
+where Ctrl-C and Ctrl-D are keys (the terminal turns them into SIGINT and end of input),
+against a real `pagechat serve` running a tiny model; and its failures, each one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from clients.terminal import Failure, chat_url, parser
+from tests.api.server import REPO, ServerProcess, is_idle, running_server, wait_balanced
+from tests.tiny_model import make_tiny_llama
+
+pytestmark = pytest.mark.timeout(240)
+
+CTRL_C, CTRL_D = b"\x03", b"\x04"
+CLIENT = [sys.executable, "-m", "clients.terminal"]
+ENV = {**os.environ, "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    with running_server(
+        tmp_path_factory.mktemp("server"), "--model", str(tiny), "--dtype", "float32"
+    ) as server:
+        yield server
+
+
+class Terminal:
+    """The client on a pseudo-terminal of its own (its controlling terminal, so the keys
+    act as they do for a person)."""
+
+    def __init__(self, *args: str) -> None:
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: exec at once, nothing else
+            os.chdir(REPO)
+            os.execve(sys.executable, [*CLIENT, *args], ENV)
+        self.pid, self.fd = pid, fd
+        self.output = b""
+        self.status: int | None = None
+
+    def read_until(self, marker: bytes, timeout: float = 60.0, start: int = 0) -> bytes:
+        """Read until `marker` appears after offset `start`; the output so far."""
+        deadline = time.monotonic() + timeout
+        while marker not in self.output[start:]:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._read(left):
+                raise AssertionError(f"no {marker!r} in {self.output.decode(errors='replace')}")
+        return self.output
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            chunk = os.read(self.fd, 4096)
+        except OSError:  # EIO: the child has exited and closed the terminal
+            return False
+        self.output += chunk
+        return bool(chunk)
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        """The exit status (a signal's death is -SIGNUM)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._read(0.05)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                while self._read(0.05):
+                    pass
+                self.status = os.waitstatus_to_exitcode(status)
+                return self.status
+        raise AssertionError(f"still running: {self.output.decode(errors='replace')}")
+
+    def close(self) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+
+@pytest.fixture
+def terminal() -> Iterator[type[Terminal]]:
+    opened: list[Terminal] = []
+
+    class Opened(Terminal):
+        def __init__(self, *args: str) -> None:
+            super().__init__(*args)
+            opened.append(self)
+
+    yield Opened
+    for t in opened:
+        t.close()
+
+
+def run_client(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
+    """The client with piped standard streams (not a terminal): stdin ends at once."""
+    return subprocess.run(
+        [*CLIENT, *args], input=stdin.decode(), capture_output=True, text=True, cwd=REPO,
+        env=ENV, timeout=60,
+    )  # fmt: skip
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+# ---------------------------------------------------------------------- keys, in a pty
+
+
+async def test_ctrl_c_at_the_prompt_exits_cleanly(
+    server: ServerProcess, terminal: type[Terminal]
+) -> None:
+    client = terminal("--url", server.http)
+    client.read_until(b"> ")
+    client.send(CTRL_C)
+    assert client.wait() == 0
+    assert "Traceback" not in client.text and "KeyboardInterrupt" not in client.text
+    await wait_balanced(server)  # its connection is closed, nothing is held
+
+
+async def test_ctrl_d_at_the_prompt_exits_cleanly(
+    server: ServerProcess, terminal: type[Terminal]
+) -> None:
+    client = terminal("--url", server.ws)
+    client.read_until(b"> ")
+    client.send(CTRL_D)
+    assert client.wait() == 0
+    assert "Traceback" not in client.text
+    await wait_balanced(server)
+
+
+async def test_ctrl_c_mid_answer_cancels_it_and_returns_to_the_prompt(
+    server: ServerProcess, terminal: type[Terminal]
+) -> None:
+    # ~400 tokens without stopping: seconds of answer to interrupt after its first words.
+    client = terminal("--url", server.http, "--max-tokens", "400", "--ignore-eos")
+    client.read_until(b"> ")
+    client.send(b"Tell me a very long story.\r")
+    asked = len(client.read_until(b"story.\r\n"))
+    deadline = time.monotonic() + 60
+    while len(client.output) < asked + 20 and client._read(deadline - time.monotonic()):
+        pass  # some of the answer has streamed in
+    client.send(CTRL_C)
+    client.read_until(b"cancelled]", start=asked)
+    usage = client.text[asked:].split("[")[-1]
+    completion = int(usage.split(" tokens")[0])
+    assert 0 < completion < 400, usage
+    client.read_until(b"> ", start=client.output.rindex(b"cancelled]"))  # back at the prompt
+    # The server stopped generating while the client stays connected: nothing runs or is held.
+    deadline = time.monotonic() + 10
+    while not is_idle(await server.astats()):
+        assert time.monotonic() < deadline, await server.astats()
+        await asyncio.sleep(0.05)
+    client.send(CTRL_D)
+    assert client.wait() == 0
+    assert "Traceback" not in client.text
+    await wait_balanced(server)
+
+
+# ---------------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(
+    "form", ["http://{host}", "ws://{host}", "{host}", "ws://{host}/v1/chat", "http://{host}/"]
+)
+def test_the_server_address_is_accepted_in_every_usual_form(
+    server: ServerProcess, form: str
+) -> None:
+    result = run_client("--url", form.format(host=f"127.0.0.1:{server.port}"))
+    assert result.returncode == 0, result.stderr  # connected, opened, then end of input
+    assert one_line(result.stderr).startswith("session ")
+
+
+@pytest.mark.parametrize(
+    ("given", "url"),
+    [
+        ("ws://h:1", "ws://h:1/v1/chat"),
+        ("http://h:1", "ws://h:1/v1/chat"),
+        ("https://h", "wss://h/v1/chat"),
+        ("HTTPS://h:443/", "wss://h:443/v1/chat"),
+        ("h:8000", "ws://h:8000/v1/chat"),
+        ("wss://h/pagechat/v1/chat/", "wss://h/pagechat/v1/chat"),  # behind a proxy's prefix
+        ("http://h:1/v1/chat?session=x", "ws://h:1/v1/chat?session=x"),
+    ],
+)
+def test_chat_url_normalizes_to_the_websocket_endpoint(given: str, url: str) -> None:
+    assert chat_url(given) == url
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("ftp://127.0.0.1:8000", "not a server URL"),
+        ("http://127.0.0.1:8000/v1/chat/completions", "the chat is at /v1/chat"),
+        ("http://127.0.0.1:port", "not a number"),
+        ("http://:8000", "no host"),
+    ],
+)
+def test_a_wrong_url_is_one_line_and_exit_2(url: str, says: str) -> None:
+    with pytest.raises(Failure):
+        chat_url(url)
+    result = run_client("--url", url)
+    assert result.returncode == 2
+    assert says in one_line(result.stderr)
+
+
+def test_no_server_is_one_line_and_exit_1() -> None:
+    result = run_client("--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 1
+    assert "connection refused" in one_line(result.stderr)
+
+
+def test_a_path_that_is_not_the_chat_is_one_line_and_exit_1(server: ServerProcess) -> None:
+    result = run_client("--url", f"{server.http}/elsewhere/v1/chat")
+    assert result.returncode == 1
+    assert "not a chat WebSocket" in one_line(result.stderr)  # Starlette answers 403
+
+
+def test_an_unknown_session_is_one_line_and_exit_1(server: ServerProcess) -> None:
+    result = run_client("--url", server.http, "--session", "nosuchsession", "--secret", "s")
+    assert result.returncode == 1
+    assert "no session nosuchsession" in one_line(result.stderr)
+
+
+def test_session_without_secret_is_one_line_and_exit_2() -> None:
+    result = run_client("--session", "abc")
+    assert result.returncode == 2
+    assert "go together" in one_line(result.stderr)
+
+
+def test_help_gives_each_option_with_its_default() -> None:
+    result = run_client("--help")
+    assert result.returncode == 0
+    options = [a for a in parser()._actions if a.dest != "help"]
+    assert {a.dest for a in options} >= {"url", "system", "session", "secret", "max_tokens"}
+    for action in options:
+        assert action.help and "(default: " in action.help, action.dest
+    assert "(default: ws://127.0.0.1:8000/v1/chat)" in " ".join(result.stdout.split())
