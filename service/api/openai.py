@@ -95,13 +95,15 @@ class ChatCompletions:
         engine, limits = self.service.engine.engine, self.service.config.limits
         req = decode_request(body, self.names)
         prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
-        return req, prompt, sampling_params(req, limits, len(prompt), engine.max_model_len)
+        vocab = engine.tokenizer.vocab_size
+        return req, prompt, sampling_params(req, limits, len(prompt), engine.max_model_len, vocab)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
         engine, limits = self.service.engine.engine, self.service.config.limits
         req = decode_completion_request(body, self.names)
         prompt = completion_prompt(req, engine.tokenizer, limits, engine.max_model_len)
-        return req, prompt, completion_params(req, limits, len(prompt), engine.max_model_len)
+        vocab = engine.tokenizer.vocab_size
+        return req, prompt, completion_params(req, limits, len(prompt), engine.max_model_len, vocab)
 
     async def _answer(
         self,

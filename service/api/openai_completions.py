@@ -55,7 +55,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # honoured
     best_of: int | None = None  # only n
     echo: bool | None = None  # only false
     suffix: str | None = None  # only null
@@ -112,13 +112,24 @@ def completion_prompt(
 
 
 def completion_params(
-    req: CompletionRequest, limits: Limits, prompt_tokens: int, max_model_len: int
+    req: CompletionRequest,
+    limits: Limits,
+    prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     room = max_model_len - prompt_tokens
     default = min(DEFAULT_MAX_TOKENS, limits.max_tokens, room)
     try:
         return engine_params(
-            req, limits, prompt_tokens, max_model_len, req.max_tokens, default, req.logprobs
+            req,
+            limits,
+            prompt_tokens,
+            max_model_len,
+            req.max_tokens,
+            default,
+            req.logprobs,
+            vocab_size,
         )
     except OpenAIError as exc:
         if exc.param == "top_logprobs":  # the chat request's name for it

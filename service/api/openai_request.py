@@ -77,6 +77,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     # vLLM's, honoured: top_k (0 or -1: off), ignore_eos, stop_token_ids, and cache_salt: a
     # secret string salting this request's prefix-cache blocks, so that only requests with
     # the same salt (and tenant) share them. Non-empty when given.
@@ -101,7 +102,6 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's; 1 is neutral
     min_tokens: int | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -193,11 +193,10 @@ class PenaltyFields(Protocol):
     presence_penalty: float | None
     repetition_penalty: float | None
     min_tokens: int | None
-    logit_bias: dict[str, float] | None
 
 
 def refuse_penalties(req: PenaltyFields) -> None:
-    """Penalties, min_tokens and logit_bias: accepted at their neutral values only."""
+    """Penalties and min_tokens: accepted at their neutral values only."""
     neutral: list[tuple[str, object, object]] = [
         ("frequency_penalty", req.frequency_penalty, 0),
         ("presence_penalty", req.presence_penalty, 0),
@@ -207,8 +206,6 @@ def refuse_penalties(req: PenaltyFields) -> None:
     for name, value, default in neutral:
         if value is not None and value != default:
             raise invalid(f"{name} is not supported (only {default})", name, "unsupported_value")
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported (only {})", "logit_bias", "unsupported_value")
 
 
 def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
@@ -300,17 +297,24 @@ class SamplingFields(Protocol):
     top_k: int | None
     ignore_eos: bool | None
     stop_token_ids: list[int] | None
+    logit_bias: dict[str, float] | None
 
 
 def sampling_params(
-    req: ChatCompletionRequest, limits: Limits, prompt_tokens: int, max_model_len: int
+    req: ChatCompletionRequest,
+    limits: Limits,
+    prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """A chat request's sampling fields as the engine's parameters."""
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     room = max_model_len - prompt_tokens
     default = min(limits.default_max_tokens, room)
-    return engine_params(req, limits, prompt_tokens, max_model_len, asked, default, logprobs)
+    return engine_params(
+        req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size
+    )
 
 
 def engine_params(
@@ -321,6 +325,7 @@ def engine_params(
     asked: int | None,  # max_tokens as the request gives it
     default: int,  # max_tokens when it does not
     logprobs: int | None,  # top log-probabilities per token; None: none at all
+    vocab_size: int | None = None,  # logit_bias's token ids are below it
 ) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
@@ -336,6 +341,7 @@ def engine_params(
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
+    logit_bias = _logit_bias(req.logit_bias or {}, vocab_size)
     try:
         return SamplingParams(
             max_tokens=asked if asked is not None else default,
@@ -348,9 +354,21 @@ def engine_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            logit_bias=logit_bias,
         )
     except ValueError as exc:
         raise invalid(str(exc), _field_named(str(exc))) from None
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs, ids in the vocabulary."""
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if key.isdecimal() else -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise invalid(f"logit_bias: {key!r} is not a token id of this model", "logit_bias")
+        pairs.append((token, value))
+    return tuple(sorted(pairs))
 
 
 def _field_named(message: str) -> str | None:

@@ -23,6 +23,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top log-probabilities per token
+    # (token id, bias) pairs added to the logits before any choice (OpenAI's logit_bias);
+    # log-probabilities are reported without them, as vLLM reports raw ones.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -46,6 +49,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in 0..20")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

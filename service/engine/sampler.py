@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities.
+"""Batched sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds,
+log-probabilities.
 
 One pass over the batch with tensor ops and a single device-to-host copy of the chosen ids.
 Random rows use the exponential-race trick (argmax of p / E with E ~ Exp(1) is a draw from p),
@@ -38,6 +39,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         # logits: [S, V] float32, one row per entry of `rows`
         assert logits.shape[0] == len(rows)
+        raw = logits  # what log-probabilities are reported from
+        if any(r.params.logit_bias for r in rows):
+            logits = _with_logit_bias(logits, rows)
         chosen = logits.argmax(dim=-1)  # [S] greedy for all; random rows overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -47,7 +51,7 @@ class Sampler:
         wants_logprobs = [r.params.logprobs is not None for r in rows]
         if not any(wants_logprobs):
             return [SampledToken(t, None) for t in ids]
-        return self._with_logprobs(logits, chosen, rows, ids)
+        return self._with_logprobs(raw, chosen, rows, ids)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # logits: [R, V]
@@ -91,6 +95,27 @@ class Sampler:
             pairs += list(zip(top_id_host[i][:n], top_lp_host[i][:n], strict=True))
             out.append(SampledToken(ids[i], pairs))
         return out
+
+
+def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with each row's biases added: one scatter for the whole batch.
+    Ids past the vocabulary are skipped (the API refuses them; the step must not fail)."""
+    vocab = logits.shape[1]
+    pairs = [
+        (i, token, bias)
+        for i, r in enumerate(rows)
+        for token, bias in r.params.logit_bias
+        if token < vocab
+    ]
+    if not pairs:
+        return logits
+    row_ids, token_ids, biases = zip(*pairs, strict=True)
+    index = (
+        torch.tensor(row_ids, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    values = torch.tensor(biases, device=logits.device, dtype=logits.dtype)
+    return logits.index_put(index, values, accumulate=True)  # [S, V], a new tensor
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.api.server import ServerProcess, running_server, wait_balanced
+from tests.tiny_model import gguf_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
 
@@ -207,6 +208,15 @@ def test_logprobs_come_per_token_with_the_top_alternatives(server: ServerProcess
     tokens = [e for c in streamed if c and c[0]["logprobs"] for e in c[0]["logprobs"]["content"]]
     assert [e["token"] for e in tokens] == [e["token"] for e in entries]
     assert all(e["top_logprobs"] == [] for e in tokens)
+
+
+def test_logit_bias_steers_the_answer(server: ServerProcess) -> None:
+    rome = gguf_tokenizer().encode(" Rome")
+    assert len(rome) == 1
+    body = {"messages": FRANCE, "max_tokens": 2, "temperature": 0}
+    status, result = post(server, {**body, "logit_bias": {str(rome[0]): 100}})
+    assert status == 200, result
+    assert result["choices"][0]["message"]["content"] == " Rome Rome"
 
 
 def test_a_final_assistant_message_is_continued(server: ServerProcess) -> None:

@@ -59,6 +59,18 @@ def test_explicit_nulls_mean_the_defaults() -> None:
     assert params(decode()) == SamplingParams(max_tokens=Limits().default_max_tokens)
 
 
+def test_logit_bias_becomes_token_id_pairs_within_the_vocabulary() -> None:
+    req = decode(logit_bias={"7": 5, "3": -100})
+    assert sampling_params(req, Limits(), 10, 2048, vocab_size=8).logit_bias == (
+        (3, -100.0),
+        (7, 5.0),
+    )
+    for bias, vocab in [({"8": 1}, 8), ({"0": 101}, 8), ({"-1": 1}, None), ({"a": 1}, None)]:
+        with pytest.raises(OpenAIError) as caught:
+            sampling_params(decode(logit_bias=bias), Limits(), 10, 2048, vocab_size=vocab)
+        assert caught.value.param == "logit_bias"
+
+
 def test_the_sdks_own_assistant_message_is_taken_back_as_history(chat: ChatFormat) -> None:
     # What `response.choices[0].message.model_dump()` returns.
     answer = {
@@ -131,7 +143,6 @@ def test_logprobs_top_k_ignore_eos_and_stop_token_ids_reach_the_engine() -> None
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
         ({"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_value"),
         ({"min_tokens": 3}, "min_tokens", "unsupported_value"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_value"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
         ({"no_such_field": 1}, "no_such_field", "bad_request"),
