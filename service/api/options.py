@@ -70,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "matmul weights: auto (timed on the CPU with --dtype auto, else as --dtype) | float32"
         " | bfloat16 | float16",
     )
+    opt(
+        parser,
+        "weights",
+        str,
+        e.weights,
+        "matmul weights' format: auto (as --weight-dtype) | fp32 | bf16 | int8 | int4 (packed,"
+        " CPU; a GGUF's Q4_0/Q4_1 served as stored)",
+    )
     opt(parser, "device", str, e.device, "auto | cpu | cuda[:N]")
     opt(parser, "attention-backend", str, e.attention_backend, "auto | torch | triton")
     opt(parser, "kv-cache-mb", int, e.kv_cache_mb, "device KV cache size")
@@ -161,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        weights=args.weights,
         device=args.device,
         attention_backend=args.attention_backend,
         block_size=args.block_size,

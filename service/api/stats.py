@@ -61,7 +61,8 @@ class EngineCounters(msgspec.Struct, kw_only=True):
 
 class Stats(msgspec.Struct, kw_only=True):
     model_id: str
-    weight_dtype: str  # the matmul weights' (what --dtype auto chose, or was told)
+    weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
+    weight_dtype: str  # the dense matmul weights' (what --dtype auto chose, or was told)
     activation_dtype: str  # the activations' and the KV cache's
     kv: KVStats
     prefix_cache: PrefixCacheStats
@@ -82,6 +83,7 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
     engine = service.engine.engine
     return Stats(
         model_id=service.model_id,
+        weights=engine.runner.model.weights_name,
         weight_dtype=dtype_name(engine.weight_dtype),
         activation_dtype=dtype_name(engine.activation_dtype),
         kv=KVStats(block_size=service.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),

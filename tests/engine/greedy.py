@@ -13,6 +13,11 @@ from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 
 NEAR_TIE = 1e-3
+# Paths that round to bf16 (dense bf16 weights, the packed int4/int8 kernels) move logits by
+# far more than batch shapes do: against fp32, bf16 dense weights parted from the bundled
+# model's greedy answers at margins up to 0.047 (and the packed Q4_1 path at the same places,
+# docs/perf.md), so between such paths a near-tie is a margin under 0.1.
+BF16_NEAR_TIE = 0.1
 
 
 @dataclass
@@ -57,7 +62,9 @@ def run(
     return results
 
 
-def assert_same_greedy(reference: dict[str, Generated], other: dict[str, Generated]) -> int:
+def assert_same_greedy(
+    reference: dict[str, Generated], other: dict[str, Generated], near_tie: float = NEAR_TIE
+) -> int:
     """Assert token-for-token equality (near-ties excepted); return how many near-ties forgave."""
     forgiven = 0
     assert reference.keys() == other.keys()
@@ -65,7 +72,7 @@ def assert_same_greedy(reference: dict[str, Generated], other: dict[str, Generat
         got = other[rid]
         for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=False)):
             if a != b:
-                assert ref.margins[i] < NEAR_TIE, (
+                assert ref.margins[i] < near_tie, (
                     f"{rid}: token {i} differs ({a} vs {b}) with a top-2 logit margin of "
                     f"{ref.margins[i]:.2e}, not a near-tie"
                 )

@@ -82,3 +82,48 @@ def test_an_engine_with_bf16_weights_keeps_an_fp32_kv_cache(tiny_model_dir: Path
     out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
     engine.check_balanced()
+
+
+@pytest.mark.parametrize(
+    ("weights", "dtype"),
+    [
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("int8", torch.int8),
+        ("int4", torch.uint4),
+    ],
+)
+def test_the_weights_option_names_a_dense_dtype_or_a_packed_format(
+    weights: str, dtype: torch.dtype
+) -> None:
+    config = EngineConfig(dtype="float32", weights=weights, device="cpu")
+    assert config.torch_weight_dtype() == dtype
+
+
+def test_weights_is_refused_unknown_beside_weight_dtype_or_packed_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match=r"^weights must be auto or one of"):
+        EngineConfig(weights="q4_k")
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(weights="int4", weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(weights="int4", device="cuda").torch_weight_dtype()
+
+
+def test_an_engine_with_int4_weights_decodes_and_releases_its_blocks(tiny_model_dir: Path) -> None:
+    config = EngineConfig(
+        model=tiny_model_dir,
+        dtype="float32",
+        weights="int4",
+        device="cpu",
+        num_device_blocks=64,
+        num_cpu_blocks=16,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+    )
+    engine = LLMEngine(config)
+    assert engine.runner.model.weights_name == "int4"
+    assert engine.runner.device_pool.dtype == torch.float32
+    prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
+    out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
+    engine.check_balanced()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from torch import Tensor
 from transformers import LlamaForCausalLM
 
 from service.engine.loader import LoadedModel, load_model
-from service.engine.model import ModelArgs
+from service.engine.model import LlamaModel, ModelArgs
+from service.engine.quant import QuantLinear, quantize_int4, quantize_int8
 from tests.tiny_model import ContiguousAttention, make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -208,3 +210,41 @@ def test_model_args_accept_a_valid_gqa_shape() -> None:
 def test_model_args_reject_inconsistent_shapes(overrides: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         _args(**overrides)
+
+
+def _dequantized_reference(loaded: LoadedModel, bits: int) -> LlamaModel:
+    """The fp32 model over the weights a packed load holds, dequantized: what the kernels
+    must reproduce up to bf16 rounding."""
+    quantize = quantize_int4 if bits == 4 else quantize_int8
+    state = dict(loaded.model.state_dict())
+    for name, w in state.items():
+        if name.endswith(("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight")):
+            state[name] = quantize(w).dequantize()
+    head = state.get("lm_head.weight", state["embed_tokens.weight"])
+    state["lm_head.weight"] = quantize_int8(head).dequantize()
+    untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
+    return LlamaModel.from_weights(untied, state, torch.float32, CPU)
+
+
+@pytest.mark.parametrize(("weight_dtype", "bits"), [(torch.uint4, 4), (torch.int8, 8)])
+@torch.inference_mode()
+def test_a_hf_model_quantized_at_load_time_packs_every_projection(
+    tiny: tuple[LoadedModel, LlamaForCausalLM], tmp_path: Path, weight_dtype: torch.dtype, bits: int
+) -> None:
+    """Weight-only, per group of 32 (int4) or per row (int8); the LM head is int8 in both,
+    a tied model's a packed copy of its embedding, whose lookup stays dense."""
+    loaded = tiny[0]
+    tied = loaded.model.lm_head is None
+    directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
+    packed = load_model(directory, torch.float32, CPU, weight_dtype=weight_dtype).model
+    projections = [m for m in packed.modules() if isinstance(m, QuantLinear)]
+    assert [m.bits for m in projections] == [bits] * (4 * loaded.args.num_layers) + [8]
+    assert isinstance(packed.lm_head, QuantLinear)
+    assert packed.embed_tokens.weight.dtype == torch.float32
+    assert packed.weights_name == f"int{bits}"
+    reference = _dequantized_reference(loaded, bits)
+    ids = _tokens(9, seed=4)
+    low = packed.compute_logits(packed(ids, torch.arange(9), ContiguousAttention(2)))
+    high = reference.compute_logits(reference(ids, torch.arange(9), ContiguousAttention(2)))
+    assert low.dtype == torch.float32
+    assert 0 < _rel_error(low, high) < 0.05  # bf16 rounding, as bf16 weights give

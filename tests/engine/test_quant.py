@@ -1,0 +1,107 @@
+"""Packed weights: GGUF Q4 blocks mapped exactly, and torch's kernels within bf16 rounding."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from service.engine.loader import default_model_path, open_gguf
+from service.engine.quant import (
+    GROUP_SIZE,
+    Int4Weight,
+    QuantLinear,
+    cat_rows,
+    dense,
+    gguf_int4,
+    quantize_int4,
+    quantize_int8,
+)
+
+CPU = torch.device("cpu")
+Q4_0, Q4_1, Q8_0 = (
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q8_0,
+)
+# The kernels round the input, the scales and the zeros to bf16 (8 significant bits): per
+# output at most 3 * 2^-9 of sum_k |x_k w_k|, plus 2^-9 of |y| for the bf16 output.
+BF16_EPS = 2.0**-9
+
+
+def _random(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1], ids=["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_map_exactly_onto_int4_with_scales_and_zeros(
+    kind: gguf.GGMLQuantizationType,
+) -> None:
+    w = _random(48, 128).numpy()
+    blocks = gguf.quants.quantize(w, kind)  # [N, bytes per row]
+    int4 = gguf_int4(blocks, kind)
+    assert int4 is not None
+    assert int4.q.dtype == torch.uint8 and int(int4.q.max()) <= 15
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    assert torch.equal(int4.dequantize(), expected)
+
+
+def test_other_gguf_types_are_not_taken_as_int4() -> None:
+    blocks = gguf.quants.quantize(_random(4, 64).numpy(), Q8_0)
+    assert gguf_int4(blocks, Q8_0) is None
+
+
+@pytest.mark.real_model
+def test_the_bundled_models_q4_1_tensor_maps_exactly() -> None:
+    reader = open_gguf(default_model_path())
+    tensor = next(t for t in reader.tensors if t.name == "blk.7.ffn_down.weight")
+    int4 = gguf_int4(tensor.data, tensor.tensor_type)
+    assert int4 is not None
+    expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    assert torch.equal(int4.dequantize(), torch.from_numpy(expected))
+
+
+def _matmul_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 3 * BF16_EPS * (x.abs() @ w.abs().T) + BF16_EPS * y.abs() + 1e-6
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_int4_kernel_equals_the_dequantized_matmul_within_bf16_rounding(batch: int) -> None:
+    blocks = gguf.quants.quantize(_random(96, 256, seed=1).numpy(), Q4_1)
+    int4 = gguf_int4(blocks, Q4_1)
+    assert int4 is not None
+    w = int4.dequantize()  # [N, K] exact, fp32
+    x = _random(batch, 256, seed=2)
+    y = QuantLinear(int4, CPU)(x)
+    assert y.dtype == torch.float32 and y.shape == (batch, 96)
+    ref = x @ w.T
+    assert bool(((y - ref).abs() <= _matmul_bound(x, w, ref)).all())
+
+
+def test_int8_kernel_equals_the_dequantized_matmul_within_bf16_rounding() -> None:
+    int8 = quantize_int8(_random(80, 192, seed=3))
+    w = int8.dequantize()
+    x = _random(7, 192, seed=4)
+    y = QuantLinear(int8, CPU)(x)
+    ref = x @ w.T
+    assert bool(((y - ref).abs() <= _matmul_bound(x, w, ref)).all())
+
+
+def test_quantizing_rounds_each_weight_to_its_nearest_step() -> None:
+    w = _random(16, 4 * GROUP_SIZE, seed=5)
+    int4 = quantize_int4(w)
+    step = int4.scale.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
+    assert bool(((int4.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+    int8 = quantize_int8(w)
+    assert bool(((int8.dequantize() - w).abs() <= int8.scale[:, None] / 2 + 1e-6).all())
+
+
+def test_rows_stacked_packed_dequantize_as_the_stacked_rows() -> None:
+    a, b = quantize_int4(_random(8, 64, seed=6)), quantize_int4(_random(4, 64, seed=7))
+    both = cat_rows([a, b])
+    assert isinstance(both, Int4Weight)
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    mixed = cat_rows([a, _random(4, 64, seed=8)])  # formats differ: dense
+    assert torch.equal(dense(mixed)[:8], a.dequantize())
+    flipped = a.map_rows(lambda t: t.flip(0))
+    assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
