@@ -136,8 +136,9 @@ def create_app(service: ChatService) -> Starlette:
             Route("/favicon.ico", favicon),
         ],
         lifespan=lifespan,
-        # Unknown routes and methods under /v1/ answer in OpenAI's error shape.
-        exception_handlers={404: http_error, 405: http_error},
+        # Unknown routes and methods, and errors no endpoint caught, answer in OpenAI's
+        # error shape under /v1/.
+        exception_handlers={404: http_error, 405: http_error, Exception: http_error},
         middleware=_cors(service.config.cors_allowed_origins),
     )
 

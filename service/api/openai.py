@@ -149,15 +149,19 @@ class ChatCompletions:
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404s and 405s: in OpenAI's error shape under /v1/, so that a client of
-    the API always gets JSON; as plain text elsewhere, as Starlette writes them."""
-    assert isinstance(exc, HTTPException)
+    """Starlette's own 404s and 405s, and any error no endpoint caught (a 500): in OpenAI's
+    error shape under /v1/, so that a client of the API always gets JSON; as plain text
+    elsewhere, as Starlette writes them."""
+    if isinstance(exc, HTTPException):
+        status, detail, headers = exc.status_code, exc.detail, exc.headers
+    else:
+        status, detail, headers = 500, "Internal Server Error", None
     path = request.url.path
     if not path.startswith("/v1/"):
-        return PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)
-    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
-    message = f"{request.method} {path}: {exc.detail}"
-    return OpenAIError(exc.status_code, message, code).response(exc.headers)
+        return PlainTextResponse(detail, status, headers=headers)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal_error")
+    message = f"{request.method} {path}: {detail}"
+    return OpenAIError(status, message, code).response(headers)
 
 
 def http_cache_scope(tenant: str, cache_salt: str | None) -> CacheScope:

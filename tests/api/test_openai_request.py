@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
 from service.api.config import Limits
+from service.api.openai import http_error
 from service.api.openai_request import (
     ChatCompletionRequest,
     OpenAIError,
@@ -246,3 +248,17 @@ def test_an_out_of_range_sampling_value_names_its_field() -> None:
 def test_cache_salt_is_kept() -> None:
     assert decode(cache_salt="s3cret-salt").cache_salt == "s3cret-salt"
     assert decode().cache_salt is None
+
+
+async def test_an_uncaught_error_under_v1_is_a_500_in_openais_shape() -> None:
+    def request(path: str) -> Request:
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+        return Request(scope)
+
+    response = await http_error(request("/v1/chat/completions"), RuntimeError("boom"))
+    assert response.status_code == 500 and response.media_type == "application/json"
+    error = json.loads(bytes(response.body))["error"]
+    assert (error["code"], error["type"]) == ("internal_error", "server_error")
+    assert "boom" not in error["message"]  # nothing of the server's insides
+    plain = await http_error(request("/health"), RuntimeError("boom"))
+    assert (plain.status_code, plain.media_type) == (500, "text/plain")
