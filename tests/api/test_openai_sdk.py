@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -250,6 +251,19 @@ def test_errors_come_as_the_sdks_classes(server: ServerProcess, client: openai.O
     ):
         stranger.models.list()
     assert unauthorized.value.code == "invalid_api_key"
+
+
+def test_cors_is_off_by_default(server: ServerProcess) -> None:
+    preflight = urllib.request.Request(
+        server.http + "/v1/chat/completions",
+        method="OPTIONS",
+        headers={"origin": "https://app.example", "access-control-request-method": "POST"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(preflight, timeout=10)
+    with refused.value as response:
+        assert response.code == 405
+        assert response.headers.get("access-control-allow-origin") is None
 
 
 def test_guessing_keys_is_a_rate_limit_error_with_retry_after(server: ServerProcess) -> None:
