@@ -66,21 +66,23 @@ def load_model(
     device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
     *,
     weight_dtype: torch.dtype | None = None,
+    max_packed_tokens: int | None = None,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
-    and torch.int8 name the packed formats)."""
+    and torch.int8 name the packed formats, which steps of more than `max_packed_tokens` rows
+    bypass: `LlamaModel.from_weights`)."""
     path = default_model_path() if source is None else Path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        loaded = _load_gguf(path, dtype, weight_dtype, device)
+        loaded = _load_gguf(path, dtype, weight_dtype, device, max_packed_tokens)
     elif path.is_dir():
-        loaded = _load_hf(path, dtype, weight_dtype, device)
+        loaded = _load_hf(path, dtype, weight_dtype, device, max_packed_tokens)
     else:
         raise FileNotFoundError(
             f"{path} is neither a .gguf file nor a Hugging Face model directory"
         )
-    log.info("%s: %s matmul weights", loaded.name, loaded.model.weights_name)
+    log.info("%s: %s matmul weights", loaded.name, loaded.model.weights_description)
     return loaded
 
 
@@ -121,7 +123,11 @@ _GGUF_LAYER_TENSORS = (
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, weight_dtype: torch.dtype | None, device: torch.device
+    path: Path,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None,
+    device: torch.device,
+    max_packed_tokens: int | None,
 ) -> LoadedModel:
     reader = open_gguf(path)
     args = _gguf_args(reader)
@@ -157,7 +163,14 @@ def _load_gguf(
             weights[f"layers.{i}.{ours}"] = layer.pop(theirs)
     if raw:
         raise UnsupportedModelError(f"unexpected GGUF tensors: {sorted(raw)[:5]}")
-    model = LlamaModel.from_weights(args, weights, dtype, device, weight_dtype=weight_dtype)
+    model = LlamaModel.from_weights(
+        args,
+        weights,
+        dtype,
+        device,
+        weight_dtype=weight_dtype,
+        max_packed_tokens=max_packed_tokens,
+    )
     name = path.name.removesuffix(".gguf")
     return LoadedModel(
         model=model,
@@ -234,7 +247,11 @@ _HF_LAYER_TENSORS = (
 
 
 def _load_hf(
-    directory: Path, dtype: torch.dtype, weight_dtype: torch.dtype | None, device: torch.device
+    directory: Path,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None,
+    device: torch.device,
+    max_packed_tokens: int | None,
 ) -> LoadedModel:
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -268,7 +285,14 @@ def _load_hf(
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UnsupportedModelError(f"unexpected tensors: {sorted(leftover)[:5]}")
-    model = LlamaModel.from_weights(args, weights, dtype, device, weight_dtype=weight_dtype)
+    model = LlamaModel.from_weights(
+        args,
+        weights,
+        dtype,
+        device,
+        weight_dtype=weight_dtype,
+        max_packed_tokens=max_packed_tokens,
+    )
     return LoadedModel(
         model=model,
         args=args,

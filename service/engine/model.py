@@ -25,6 +25,7 @@ from service.engine.quant import (
     QuantLinear,
     Weight,
     dense,
+    measured_max_packed_tokens,
     quantize_int4,
     quantize_int8,
 )
@@ -234,6 +235,7 @@ class LlamaModel(nn.Module):
         device: torch.device,
         *,
         weight_dtype: torch.dtype | None = None,
+        max_packed_tokens: int | None = None,
     ) -> LlamaModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
@@ -246,18 +248,32 @@ class LlamaModel(nn.Module):
         Q4_1 blocks) are kept as they are, the others quantized. The LM head is int8 in both
         (it decides the tokens; an int8 row costs half a bf16 one): a tied model gets its own
         packed copy of the embedding for it, and the embedding lookup stays dense in `dtype`.
+
+        Each packed projection keeps a dense copy in `dtype` too, taken by steps of more than
+        `max_packed_tokens` rows (default: this CPU's crossover, timed once per process by
+        `quant.measured_max_packed_tokens`): prefill chunks and large decode batches run
+        dense. A tied LM head's dense copy is the embedding itself.
         """
         with torch.device("meta"):
             model = cls(args)
         model.activation_dtype = dtype
         bits = PACKED_BITS.get(weight_dtype) if weight_dtype is not None else None
         matmul_dtype = dtype if bits else weight_dtype or dtype
+        crossover = {b: max_packed_tokens for b in (4, 8)}
+        if bits and max_packed_tokens is None:
+            crossover = {b: measured_max_packed_tokens(b, dtype) for b in {bits, 8}}
         state: dict[str, Tensor] = {}
         for name, w in weights.items():
             prefix = name.rpartition(".")[0]
             owner = model.get_submodule(prefix)
             if bits and isinstance(owner, nn.Linear):
-                packed = QuantLinear(_packed(w, 8 if prefix == "lm_head" else bits), device)
+                b = 8 if prefix == "lm_head" else bits
+                packed = QuantLinear(
+                    _packed(w, b),
+                    device,
+                    dense=dense(w).to(device=device, dtype=dtype),
+                    max_packed_tokens=crossover[b] or 0,
+                )
                 parent, _, attr = prefix.rpartition(".")
                 setattr(model.get_submodule(parent), attr, packed)
                 state.update({f"{prefix}.{k}": v for k, v in packed.state_dict().items()})
@@ -265,7 +281,13 @@ class LlamaModel(nn.Module):
             is_matmul = isinstance(owner, nn.Linear | nn.Embedding)
             state[name] = dense(w).to(device=device, dtype=matmul_dtype if is_matmul else dtype)
         if bits and model.lm_head is None:
-            model.lm_head = QuantLinear(quantize_int8(state["embed_tokens.weight"]), device)
+            embedding = state["embed_tokens.weight"]
+            model.lm_head = QuantLinear(
+                quantize_int8(embedding),
+                device,
+                dense=embedding,
+                max_packed_tokens=crossover[8] or 0,
+            )
             state.update({f"lm_head.{k}": v for k, v in model.lm_head.state_dict().items()})
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
@@ -283,6 +305,21 @@ class LlamaModel(nn.Module):
         if isinstance(qkv, QuantLinear):
             return f"int{qkv.bits}"
         return _DENSE_NAMES[qkv.weight.dtype]
+
+    @property
+    def weights_description(self) -> str:
+        """For the start-up log: the format, and where packed, which kernel runs when."""
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        qkv = first.attn.qkv
+        if not isinstance(qkv, QuantLinear):
+            return self.weights_name
+        dense = "" if qkv.dense is None else _DENSE_NAMES[qkv.dense.dtype]
+        head = f"; LM head int{self.lm_head.bits}" if isinstance(self.lm_head, QuantLinear) else ""
+        return (
+            f"{self.weights_name} (packed kernel up to {qkv.max_packed_tokens} rows a step, "
+            f"a dense {dense} copy above{head})"
+        )
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
         # input_ids, positions: [T] int64 -> hidden [T, hidden], after the final norm.

@@ -26,12 +26,15 @@ the exactly dequantized weights in fp32, that is at most ~3 * 2^-9 relative to s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 GROUP_SIZE = 32  # int4 group along k; GGUF's Q4_0/Q4_1/Q8_0 block size too
@@ -172,18 +175,32 @@ def gguf_int4(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> Int4Weight |
 class QuantLinear(nn.Module):
     """A bias-free projection over packed weights, through torch's weight-only CPU kernels.
 
-    Holds either int4 (`packed` [N, K/2] uint8 + `scales_and_zeros` [K/32, N, 2]) or int8
-    (`packed` [N, K] int8 + `scales` [N]), all kernel-ready; the input is cast to bf16 for the
-    kernel and the output back to the input's dtype.
+    Holds either int4 (`packed` [N, K/2] uint8 + `scales` [K/32, N, 2], the scale and zero
+    pairs) or int8 (`packed` [N, K] int8 + `scales` [N]), all kernel-ready; the input is cast
+    to bf16 for the kernel and the output back to the input's dtype.
+
+    NOTE: the kernel follows the batch. With a `dense` copy (the same weights dequantized),
+    steps of more than `max_packed_tokens` rows take the dense matmul instead
+    (`packed_kernel_pays`): the packed kernels read 4-8x fewer bytes, which wins while a
+    step is bound by reading weights, and lose to a dense GEMM once a step's rows are many.
     """
 
     packed: Tensor
     scales: Tensor
+    dense: Tensor | None
 
-    def __init__(self, weight: Int4Weight | Int8Weight, device: torch.device) -> None:
+    def __init__(
+        self,
+        weight: Int4Weight | Int8Weight,
+        device: torch.device,
+        *,
+        dense: Tensor | None = None,
+        max_packed_tokens: int = 0,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bits = 4 if isinstance(weight, Int4Weight) else 8
+        self.max_packed_tokens = max_packed_tokens
         if isinstance(weight, Int4Weight):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 weight.q.to(torch.int32), _INNER_K_TILES
@@ -194,9 +211,14 @@ class QuantLinear(nn.Module):
             packed, scales = weight.q.contiguous(), weight.scale
         self.register_buffer("packed", packed.to(device))
         self.register_buffer("scales", scales.to(device=device, dtype=KERNEL_DTYPE))
+        if dense is not None and dense.shape != weight.shape:
+            raise ValueError(f"dense copy {tuple(dense.shape)} of a {tuple(weight.shape)} weight")
+        self.register_buffer("dense", dense)
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
+        if self.dense is not None and not packed_kernel_pays(x.shape[0], self.max_packed_tokens):
+            return F.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
         x16 = x.to(KERNEL_DTYPE)
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -208,4 +230,71 @@ class QuantLinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
+        dense = "" if self.dense is None else f", dense above {self.max_packed_tokens} rows"
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{dense}"
+
+
+# -- which kernel for how many rows ------------------------------------------------------------
+
+
+def packed_kernel_pays(num_tokens: int, max_packed_tokens: int) -> bool:
+    """The packed kernel for a step of `num_tokens` rows, the dense copy above the crossover."""
+    return num_tokens <= max_packed_tokens
+
+
+# SmolLM2-135M's per-layer matmuls as (out, in): qkv, o_proj, gate_up, down.
+_LAYER_MATMULS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+TRIAL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pick_max_packed_tokens(times: Mapping[int, tuple[float, float]]) -> int:
+    """From {rows: (packed seconds, dense seconds)}: the most rows up to which the packed
+    kernel was faster at every measured size (0: never). Kernel times grow with the rows
+    and the packed kernel's faster (it reads less, then computes more per row), so one
+    crossover; a size where it lost ends the run even if a larger one looks faster (noise)."""
+    best = 0
+    for rows in sorted(times):
+        packed, dense = times[rows]
+        if packed >= dense:
+            break
+        best = rows
+    return best
+
+
+@functools.cache
+def measured_max_packed_tokens(bits: int, dense_dtype: torch.dtype) -> int:
+    """Time one decoder layer's four matmuls of the default model, packed (`bits`) against
+    dense (`dense_dtype`, fp32 input as the engine runs), at each of `TRIAL_ROWS`; pick the
+    crossover with `pick_max_packed_tokens`. Trials alternate, the best of three counts, and
+    with one torch thread they count the thread's CPU time (a neighbour's load does not tip
+    it), as `config.fastest_cpu_dtypes` does. About 0.5 s on a 2-core EPYC."""
+    return pick_max_packed_tokens(crossover_trial(bits, dense_dtype))
+
+
+def crossover_trial(bits: int, dense_dtype: torch.dtype) -> dict[int, tuple[float, float]]:
+    """{rows: (packed seconds, dense seconds)} for one decoder layer's matmuls."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) / k**0.5 for n, k in _LAYER_MATMULS]
+    quantize = quantize_int4 if bits == 4 else quantize_int8
+    cpu = torch.device("cpu")
+    layers = {
+        "packed": [QuantLinear(quantize(w), cpu) for w in weights],
+        "dense": [
+            QuantLinear(quantize(w), cpu, dense=w.to(dense_dtype), max_packed_tokens=0)
+            for w in weights
+        ],
+    }
+    times: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in TRIAL_ROWS:
+            inputs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+            best = dict.fromkeys(layers, float("inf"))
+            for _ in range(3):
+                for name, mods in layers.items():
+                    start = clock()
+                    for m in mods:
+                        m(inputs[m.in_features])
+                    best[name] = min(best[name], clock() - start)
+            times[rows] = (best["packed"], best["dense"])
+    return times

@@ -236,7 +236,9 @@ def test_a_hf_model_quantized_at_load_time_packs_every_projection(
     loaded = tiny[0]
     tied = loaded.model.lm_head is None
     directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
-    packed = load_model(directory, torch.float32, CPU, weight_dtype=weight_dtype).model
+    packed = load_model(
+        directory, torch.float32, CPU, weight_dtype=weight_dtype, max_packed_tokens=64
+    ).model  # every step here packed
     projections = [m for m in packed.modules() if isinstance(m, QuantLinear)]
     assert [m.bits for m in projections] == [bits] * (4 * loaded.args.num_layers) + [8]
     assert isinstance(packed.lm_head, QuantLinear)

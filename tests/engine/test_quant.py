@@ -9,11 +9,15 @@ import torch
 from service.engine.loader import default_model_path, open_gguf
 from service.engine.quant import (
     GROUP_SIZE,
+    TRIAL_ROWS,
     Int4Weight,
     QuantLinear,
     cat_rows,
     dense,
     gguf_int4,
+    measured_max_packed_tokens,
+    packed_kernel_pays,
+    pick_max_packed_tokens,
     quantize_int4,
     quantize_int8,
 )
@@ -105,3 +109,48 @@ def test_rows_stacked_packed_dequantize_as_the_stacked_rows() -> None:
     assert torch.equal(dense(mixed)[:8], a.dequantize())
     flipped = a.map_rows(lambda t: t.flip(0))
     assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
+
+
+def test_steps_above_the_crossover_take_the_dense_copy() -> None:
+    int4 = quantize_int4(_random(64, 128, seed=9))
+    w = int4.dequantize()
+    layer = QuantLinear(int4, CPU, dense=w, max_packed_tokens=4)
+    packed_only = QuantLinear(int4, CPU)
+    small, large = _random(4, 128, seed=10), _random(5, 128, seed=11)
+    assert torch.equal(layer(small), packed_only(small))  # the kernel, bf16 inside
+    assert torch.equal(layer(large), large @ w.T)  # the dense fp32 matmul
+    assert packed_kernel_pays(4, 4) and not packed_kernel_pays(5, 4)
+    assert not packed_kernel_pays(1, 0)
+
+
+# {rows: (packed ms, dense ms)}: crossover_trial(4, torch.float32), one torch thread, on a
+# 2-core AVX2 EPYC shared with other work (2026-12-01).
+AVX2_INT4 = {
+    1: (0.62, 1.23),
+    2: (0.78, 1.72),
+    4: (1.01, 2.32),
+    8: (1.70, 2.45),
+    16: (3.41, 3.59),
+    32: (6.66, 4.98),
+    64: (11.69, 7.61),
+    128: (23.87, 12.72),
+}
+
+
+@pytest.mark.parametrize(
+    ("times", "crossover"),
+    [
+        (AVX2_INT4, 16),
+        ({1: (2.0, 1.0), 8: (3.0, 2.0)}, 0),  # never pays: always dense
+        ({1: (1.0, 2.0), 8: (1.0, 2.0), 128: (1.0, 2.0)}, 128),
+        ({1: (1.0, 2.0), 8: (3.0, 2.0), 16: (1.0, 9.0)}, 1),  # a later win after a loss: noise
+    ],
+)
+def test_the_crossover_is_the_most_rows_up_to_which_packed_always_won(
+    times: dict[int, tuple[float, float]], crossover: int
+) -> None:
+    assert pick_max_packed_tokens(times) == crossover
+
+
+def test_the_crossover_trial_returns_a_tried_row_count_or_zero() -> None:
+    assert measured_max_packed_tokens(4, torch.float32) in (0, *TRIAL_ROWS)
