@@ -20,10 +20,12 @@ from clients.chat_client import ChatClient
 from service.api.frames import Delta
 from service.api.pagemap import session_tag
 from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
+from tests.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
 DEVICE_BLOCKS, CPU_BLOCKS = 64, 32
+API_KEY = "page-key-0123456789abcdef"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -131,7 +133,9 @@ async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
         # --no-sandbox: CI and this machine run as root, where Chromium's sandbox refuses.
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
 
-        async def open_(path: str, viewport: dict[str, int] | None = None) -> Page:
+        async def open_(
+            path: str, viewport: dict[str, int] | None = None, base: str = server.http
+        ) -> Page:
             context = await browser.new_context(viewport=viewport or {"width": 1280, "height": 800})
             page = Page(await context.new_page(), [], [])
             page.page.on("pageerror", lambda exc: page.errors.append(str(exc)))
@@ -139,7 +143,7 @@ async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
                 "response",
                 lambda r: page.failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
             )
-            await page.page.goto(server.http + path)
+            await page.page.goto(base + path)
             return page
 
         try:
@@ -231,7 +235,7 @@ async def test_chat_page_streams_an_answer_and_a_reload_resumes_it_with_its_usag
 async def test_phone_viewport_fits_without_horizontal_overflow(open_page: OpenPage) -> None:
     opened = await new_chat(open_page, viewport=PHONE)
     page = opened.page
-    await ask(page, "Tell me about rivers. " + "Supercalifragilistic" * 8)  # an unbreakable word
+    await ask(page, "Say hi to " + "Supercalifragilistic" * 8)  # an unbreakable word
     await page.wait_for_function("document.querySelector('#meta').textContent.includes('session')")
     overflow = "document.documentElement.scrollWidth <= window.innerWidth"
     assert await page.evaluate(overflow)
@@ -286,6 +290,40 @@ async def test_favicon_is_served_and_no_request_fails(
         assert loaded
         await opened.page.wait_for_load_state("networkidle")
         assert opened.failed == [], opened.failed
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with API keys, on a tiny model (any answer will do)."""
+    directory = tmp_path_factory.mktemp("keyed")
+    keys = directory / "keys.txt"
+    keys.write_text(f"{API_KEY} tenant-a\n")
+    tiny = make_tiny_llama(directory / "model")
+    with running_server(
+        directory, "--model", str(tiny), "--dtype", "float32", "--api-keys-file", str(keys)
+    ) as server:
+        yield server
+
+
+async def test_with_api_keys_the_page_takes_its_key_from_the_address_once(
+    keyed_server: ServerProcess, open_page: OpenPage
+) -> None:
+    # Without a key the first message is not sent, and the page says how to give one.
+    refused = (await open_page("/", base=keyed_server.http)).page
+    await refused.fill("#input", "Hello?")
+    await refused.keyboard.press("Enter")
+    await refused.wait_for_selector(".msg.user.refused")
+    assert "/?key=" in await refused.inner_text("#status")
+    assert await refused.input_value("#input") == "Hello?"
+
+    opened = await open_page(f"/?key={API_KEY}", base=keyed_server.http)
+    page = opened.page
+    assert page.url == keyed_server.http + "/"  # the key is out of the address bar
+    await ask(page, "Hello?")
+    await page.reload()  # the kept key resumes the session
+    await page.wait_for_function("document.querySelector('#meta').textContent.includes('resumed')")
+    assert await page.locator(".usage").count() == 1
+    assert opened.errors == [] and opened.failed == []
 
 
 async def test_links_lead_from_the_chat_to_the_kv_view_and_back(open_page: OpenPage) -> None:
