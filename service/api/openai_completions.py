@@ -50,11 +50,16 @@ class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     user: str | None = None  # ignored
+    request_id: str | None = None  # vLLM's, ignored
     # Accepted at their neutral values only.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None  # honoured
     best_of: int | None = None  # only n
     echo: bool | None = None  # only false

@@ -85,6 +85,10 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # vLLM's, honoured: with a final assistant message, continue it (the default here) or
+    # answer it with a new turn (add_generation_prompt: true).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
     # Ignored: they change nothing an answer holds.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -97,11 +101,17 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    request_id: str | None = None  # vLLM's
     # Accepted at their neutral values only (null, empty, 0, "none", ["text"]).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's; 1 is neutral
-    min_tokens: int | None = None  # vLLM's
+    min_tokens: int | None = None  # vLLM's, as are the four below
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # only empty
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -188,28 +198,49 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionReques
     return req
 
 
-class PenaltyFields(Protocol):
+class NeutralFields(Protocol):
     frequency_penalty: float | None
     presence_penalty: float | None
     repetition_penalty: float | None
     min_tokens: int | None
+    min_p: float | None
+    include_stop_str_in_output: bool | None
+    skip_special_tokens: bool | None
+    spaces_between_special_tokens: bool | None
 
 
-def refuse_penalties(req: PenaltyFields) -> None:
-    """Penalties and min_tokens: accepted at their neutral values only."""
-    neutral: list[tuple[str, object, object]] = [
-        ("frequency_penalty", req.frequency_penalty, 0),
-        ("presence_penalty", req.presence_penalty, 0),
-        ("repetition_penalty", req.repetition_penalty, 1),
-        ("min_tokens", req.min_tokens, 0),
-    ]
-    for name, value, default in neutral:
+# Fields accepted at the value this server always behaves as, refused at any other.
+NEUTRAL = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "min_p": 0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+}
+
+
+def refuse_penalties(req: NeutralFields) -> None:
+    """Penalties, min_tokens and vLLM's detokenizing options: neutral values only."""
+    for name, default in NEUTRAL.items():
+        value = getattr(req, name)
         if value is not None and value != default:
-            raise invalid(f"{name} is not supported (only {default})", name, "unsupported_value")
+            raise invalid(
+                f"{name} is not supported (only {str(default).lower()})", name, "unsupported_value"
+            )
 
 
 def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
     refuse_penalties(req)
+    if req.chat_template_kwargs:
+        raise unsupported("chat_template_kwargs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise invalid(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
     for name in ("tools", "functions"):
         if getattr(req, name):
             raise unsupported(name, "is not supported: this server makes no tool calls")
@@ -235,7 +266,8 @@ def render_prompt(
     """The conversation through the model's chat template, contents as plain text.
 
     A conversation that ends with an assistant message is continued: no new turn is opened,
-    and the message's text is the start of the answer (only what follows it is returned)."""
+    and the message's text is the start of the answer (only what follows it is returned);
+    unless `add_generation_prompt: true` asks for a new turn after it (vLLM's fields)."""
     if not req.messages:
         raise invalid("messages must hold at least one message", "messages")
     rendered = []
@@ -255,10 +287,17 @@ def render_prompt(
         if len(content) > cap:
             raise invalid(f"{param}.content has {len(content)} characters; at most {cap}", param)
         rendered.append({"role": role, "content": content})
-    if rendered[-1]["role"] == "assistant":
+    last = rendered[-1]["role"]
+    if req.continue_final_message and last != "assistant":
+        raise invalid(
+            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
+    if last == "assistant" and not req.add_generation_prompt:
         prompt = _continuation(chat, rendered)
     else:
-        prompt = chat.tokenizer.apply_chat_template(rendered)
+        generation_prompt = req.add_generation_prompt is not False
+        prompt = chat.tokenizer.apply_chat_template(rendered, generation_prompt)
     if len(prompt) >= max_model_len:
         raise context_exceeded(len(prompt), max_model_len)
     return prompt

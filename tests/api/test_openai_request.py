@@ -199,6 +199,46 @@ def test_a_final_assistant_message_is_continued_not_answered(chat: ChatFormat) -
     assert prompt == tokenizer.apply_chat_template(HI) + tokenizer.encode("Hello, my name")
 
 
+def test_vllms_continue_final_message_and_add_generation_prompt_are_honoured(
+    chat: ChatFormat,
+) -> None:
+    begun = [*HI, {"role": "assistant", "content": "Hello"}]
+    tokenizer = chat.tokenizer
+
+    def prompt(messages: list[dict[str, str]], **body: Any) -> list[int]:
+        return render_prompt(decode(messages=messages, **body), chat, Limits(), 2048)
+
+    continued = tokenizer.apply_chat_template(HI) + tokenizer.encode("Hello")
+    assert prompt(begun, continue_final_message=True, add_generation_prompt=False) == continued
+    # A new turn after the assistant's message, as vLLM's defaults would render it.
+    assert prompt(begun, add_generation_prompt=True) == tokenizer.apply_chat_template(begun)
+    assert prompt(HI, add_generation_prompt=False) == tokenizer.apply_chat_template(HI, False)
+    with pytest.raises(OpenAIError) as not_assistant:
+        prompt(HI, continue_final_message=True)
+    assert not_assistant.value.param == "continue_final_message"
+    both = refusal(continue_final_message=True, add_generation_prompt=True)
+    assert both.param == "continue_final_message"
+
+
+def test_vllms_detokenizing_options_are_accepted_at_what_the_server_does() -> None:
+    req = decode(
+        min_p=0,
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        chat_template_kwargs={},
+        request_id="r1",
+    )
+    assert params(req) == params(decode())
+    for name, value in [
+        ("min_p", 0.1),
+        ("include_stop_str_in_output", True),
+        ("skip_special_tokens", False),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+    ]:
+        assert refusal(**{name: value}).param == name
+
+
 def test_the_prompt_is_the_chat_template_with_text_parts_joined_and_developer_as_system(
     chat: ChatFormat,
 ) -> None:
