@@ -35,11 +35,10 @@ from service.api.openai_completions import (
     completion_prompt,
     decode_completion_request,
 )
+from service.api.openai_errors import OpenAIError, model_not_found
 from service.api.openai_request import (
     ChatCompletionRequest,
-    OpenAIError,
     decode_request,
-    model_not_found,
     render_prompt,
     sampling_params,
 )

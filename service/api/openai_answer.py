@@ -13,7 +13,8 @@ import msgspec
 from starlette.responses import Response
 
 from service.api.openai_completions import CompletionRequest
-from service.api.openai_request import ChatCompletionRequest, OpenAIError, invalid
+from service.api.openai_errors import OpenAIError, invalid
+from service.api.openai_request import ChatCompletionRequest
 from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput

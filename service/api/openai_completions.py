@@ -10,17 +10,16 @@ from __future__ import annotations
 import msgspec
 
 from service.api.config import Limits
-from service.api.openai_request import (
+from service.api.openai_errors import (
     OpenAIError,
-    StreamOptions,
     context_exceeded,
     decode_error,
-    engine_params,
     invalid,
     model_not_found,
-    refuse_penalties,
     unsupported,
 )
+from service.api.openai_params import engine_params, refuse_penalties
+from service.api.openai_request import StreamOptions
 from service.engine.params import SamplingParams
 from service.engine.tokenizer import Tokenizer
 

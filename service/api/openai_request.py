@@ -11,14 +11,20 @@ refused too, so a misspelt option never silently does nothing. docs/protocol.md 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
-from starlette.responses import Response
 
 from service.api.config import Limits
+from service.api.openai_errors import OpenAIError as OpenAIError  # where auth.py finds it
+from service.api.openai_errors import (
+    context_exceeded,
+    decode_error,
+    invalid,
+    model_not_found,
+    unsupported,
+)
+from service.api.openai_params import engine_params, refuse_penalties
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 
@@ -124,60 +130,6 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     moderation: Any = None
 
 
-class OpenAIError(Exception):
-    def __init__(
-        self, status: int, message: str, code: str, param: str | None = None, kind: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self, headers: Mapping[str, str] | None = None) -> Response:
-        return Response(
-            _json.encode(self.body()), self.status, headers, media_type="application/json"
-        )
-
-
-def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
-    return OpenAIError(400, message, code, param)
-
-
-def unsupported(param: str, what: str = "is not supported by this server") -> OpenAIError:
-    return OpenAIError(400, f"{param} {what}", "unsupported_parameter", param)
-
-
-def model_not_found(name: str, served: tuple[str, ...]) -> OpenAIError:
-    return OpenAIError(
-        404,
-        f"the model {name!r} does not exist here; this server serves {served[0]!r} "
-        "(GET /v1/models)",
-        "model_not_found",
-        "model",
-    )
-
-
-_AT = re.compile(r"(?:Object contains unknown field `([^`]*)`|.*?)(?: - at `\$\.?([^`]*)`)?$")
-
-
-def decode_error(exc: msgspec.DecodeError, what: str) -> OpenAIError:
-    """A body that is not JSON, or not of the request's shape, with the field it names."""
-    param = None
-    if match := _AT.match(str(exc)):
-        unknown, path = match.groups()
-        param = ".".join(p for p in (path, unknown) if p) or None
-    return invalid(f"not a valid {what}: {exc}", param, "bad_request")
-
-
 def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionRequest:
     """The request, or OpenAIError for a body that is not one this server can serve.
     `served`: the model names this server answers to."""
@@ -196,40 +148,6 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionReques
         if req.top_logprobs and not req.logprobs:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     return req
-
-
-class NeutralFields(Protocol):
-    frequency_penalty: float | None
-    presence_penalty: float | None
-    repetition_penalty: float | None
-    min_tokens: int | None
-    min_p: float | None
-    include_stop_str_in_output: bool | None
-    skip_special_tokens: bool | None
-    spaces_between_special_tokens: bool | None
-
-
-# Fields accepted at the value this server always behaves as, refused at any other.
-NEUTRAL = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
-    "min_tokens": 0,
-    "min_p": 0,
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
-}
-
-
-def refuse_penalties(req: NeutralFields) -> None:
-    """Penalties, min_tokens and vLLM's detokenizing options: neutral values only."""
-    for name, default in NEUTRAL.items():
-        value = getattr(req, name)
-        if value is not None and value != default:
-            raise invalid(
-                f"{name} is not supported (only {str(default).lower()})", name, "unsupported_value"
-            )
 
 
 def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
@@ -313,32 +231,6 @@ def _continuation(chat: ChatFormat, rendered: list[dict[str, str]]) -> list[int]
     return closed[: -len(end)]
 
 
-def context_exceeded(prompt_tokens: int, max_model_len: int, max_tokens: int = 0) -> OpenAIError:
-    """vLLM's refusal of a request that cannot fit the model's context."""
-    asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages"
-    asked += f", {max_tokens} in the completion)" if max_tokens else ")"
-    return invalid(
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {asked}. Please reduce the length of the messages or completion.",
-        "max_tokens" if max_tokens else "messages",
-        "context_length_exceeded",
-    )
-
-
-class SamplingFields(Protocol):
-    """The sampling fields the chat and the text completion requests share."""
-
-    temperature: float | None
-    top_p: float | None
-    n: int | None
-    seed: int | None
-    stop: str | list[str] | None
-    top_k: int | None
-    ignore_eos: bool | None
-    stop_token_ids: list[int] | None
-    logit_bias: dict[str, float] | None
-
-
 def sampling_params(
     req: ChatCompletionRequest,
     limits: Limits,
@@ -354,68 +246,6 @@ def sampling_params(
     return engine_params(
         req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size
     )
-
-
-def engine_params(
-    req: SamplingFields,
-    limits: Limits,
-    prompt_tokens: int,
-    max_model_len: int,
-    asked: int | None,  # max_tokens as the request gives it
-    default: int,  # max_tokens when it does not
-    logprobs: int | None,  # top log-probabilities per token; None: none at all
-    vocab_size: int | None = None,  # logit_bias's token ids are below it
-) -> SamplingParams:
-    """OpenAI's sampling fields as the engine's parameters, within the server's limits.
-
-    An explicit max_tokens that the context cannot hold is refused (as vLLM does); the
-    default should fit what the context has left."""
-    if asked is not None and asked < 1:  # 0 is no answer at all, never "the default"
-        raise invalid("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
-    if asked is not None and asked > limits.max_tokens:
-        raise invalid(f"max_tokens is {asked}; the limit is {limits.max_tokens}", "max_tokens")
-    if asked is not None and prompt_tokens + asked > max_model_len:
-        raise context_exceeded(prompt_tokens, max_model_len, asked)
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4:
-        raise invalid("stop takes at most 4 strings", "stop")
-    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
-    logit_bias = _logit_bias(req.logit_bias or {}, vocab_size)
-    try:
-        return SamplingParams(
-            max_tokens=asked if asked is not None else default,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=top_k,
-            n=1 if req.n is None else req.n,
-            seed=req.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=logprobs,
-            logit_bias=logit_bias,
-        )
-    except ValueError as exc:
-        raise invalid(str(exc), _field_named(str(exc))) from None
-
-
-def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as (id, bias) pairs, ids in the vocabulary."""
-    pairs = []
-    for key, value in bias.items():
-        token = int(key) if key.isdecimal() else -1
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
-            raise invalid(f"logit_bias: {key!r} is not a token id of this model", "logit_bias")
-        pairs.append((token, value))
-    return tuple(sorted(pairs))
-
-
-def _field_named(message: str) -> str | None:
-    """The request field a SamplingParams error is about ("top_p must be ..." -> top_p)."""
-    name = message.split(" ", 1)[0]
-    if name == "logprobs":
-        return "top_logprobs"
-    return name if name in SamplingFields.__annotations__ else None
 
 
 def _text(content: str | list[ContentPart] | None, param: str) -> str:

@@ -15,7 +15,7 @@ from service.api.openai_completions import (
     completion_prompt,
     decode_completion_request,
 )
-from service.api.openai_request import OpenAIError
+from service.api.openai_errors import OpenAIError
 from tests.tiny_model import gguf_tokenizer
 
 SERVED = ("smol",)

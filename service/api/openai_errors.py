@@ -1,0 +1,79 @@
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and the errors
+the OpenAI endpoints answer with."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+_json = msgspec.json.Encoder()
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self, status: int, message: str, code: str, param: str | None = None, kind: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self, headers: Mapping[str, str] | None = None) -> Response:
+        return Response(
+            _json.encode(self.body()), self.status, headers, media_type="application/json"
+        )
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, code, param)
+
+
+def unsupported(param: str, what: str = "is not supported by this server") -> OpenAIError:
+    return OpenAIError(400, f"{param} {what}", "unsupported_parameter", param)
+
+
+def model_not_found(name: str, served: tuple[str, ...]) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"the model {name!r} does not exist here; this server serves {served[0]!r} "
+        "(GET /v1/models)",
+        "model_not_found",
+        "model",
+    )
+
+
+_AT = re.compile(r"(?:Object contains unknown field `([^`]*)`|.*?)(?: - at `\$\.?([^`]*)`)?$")
+
+
+def decode_error(exc: msgspec.DecodeError, what: str) -> OpenAIError:
+    """A body that is not JSON, or not of the request's shape, with the field it names."""
+    param = None
+    if match := _AT.match(str(exc)):
+        unknown, path = match.groups()
+        param = ".".join(p for p in (path, unknown) if p) or None
+    return invalid(f"not a valid {what}: {exc}", param, "bad_request")
+
+
+def context_exceeded(prompt_tokens: int, max_model_len: int, max_tokens: int = 0) -> OpenAIError:
+    """vLLM's refusal of a request that cannot fit the model's context."""
+    asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages"
+    asked += f", {max_tokens} in the completion)" if max_tokens else ")"
+    return invalid(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {asked}. Please reduce the length of the messages or completion.",
+        "max_tokens" if max_tokens else "messages",
+        "context_length_exceeded",
+    )
