@@ -44,20 +44,24 @@ async def balanced(server: ServerProcess) -> AsyncIterator[None]:
     await wait_balanced(server)
 
 
-LAST_HEADERS: dict[str, str] = {}  # post's latest response's headers
-
-
 def post(
     server: ServerProcess, body: bytes | dict[str, Any], path: str = "/v1/chat/completions"
 ) -> tuple[int, dict[str, Any]]:
+    status, _, result = post_with_headers(server, body, path)
+    return status, result
+
+
+def post_with_headers(
+    server: ServerProcess, body: bytes | dict[str, Any], path: str = "/v1/chat/completions"
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    """Status, headers (lower-case names) and the JSON body of one POST."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
         conn.request("POST", path, data, {"content-type": "application/json"})
         response = conn.getresponse()
-        LAST_HEADERS.clear()
-        LAST_HEADERS.update((k.lower(), v) for k, v in response.getheaders())
-        return response.status, json.loads(response.read())
+        headers = {k.lower(): v for k, v in response.getheaders()}
+        return response.status, headers, json.loads(response.read())
     finally:
         conn.close()
 
@@ -332,11 +336,12 @@ async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: Server
     first = asyncio.create_task(asyncio.to_thread(stream, server, body))
     while (await server.astats())["queue"]["inflight_turns"] == 0:
         await asyncio.sleep(0.01)
-    status, result = await asyncio.to_thread(post, server, {"messages": FRANCE})
-    retry_after = LAST_HEADERS.get("retry-after")
+    status, headers, result = await asyncio.to_thread(
+        post_with_headers, server, {"messages": FRANCE}
+    )
     assert status == 429
     assert result["error"]["code"] == "overloaded"
-    assert retry_after == "1"
+    assert headers["retry-after"] == "1"
     assert (await first)[-1] == "[DONE]"
 
 
