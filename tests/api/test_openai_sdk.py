@@ -193,7 +193,8 @@ def test_n_samples_and_logprobs(client: openai.OpenAI) -> None:
     for choice in completion.choices:
         assert choice.logprobs is not None and choice.logprobs.content is not None
         entries = choice.logprobs.content
-        assert "".join(e.token for e in entries) == choice.message.content
+        if not any("\ufffd" in e.token for e in entries):  # no character split in two
+            assert "".join(e.token for e in entries) == choice.message.content
         assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
 
 
