@@ -13,7 +13,6 @@ constant time, so the time taken says nothing about which key, or how much of on
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import math
@@ -30,6 +29,7 @@ from starlette.responses import Response
 
 from service.api.config import normalize_origin
 from service.api.frames import ErrorCode, FrameError
+from service.api.limiter import AttemptLimiter
 from service.api.openai_request import OpenAIError
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ DEFAULT_TENANT = "default"
 MIN_KEY_CHARS = 16
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DIGEST = re.compile(r"sha256:([0-9a-fA-F]{64})")
-_MAX_SUBJECT_CHARS = 160  # a subject longer than any real one is cut (it can never succeed)
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,74 +126,6 @@ def _entry(fields: list[str]) -> tuple[bytes, Principal]:
     if len(key) < MIN_KEY_CHARS:
         raise ValueError(f"the key has {len(key)} characters; at least {MIN_KEY_CHARS}")
     return _digest(key), Principal(tenant, admin=bool(flag))
-
-
-# ---------------------------------------------------------------------- the limiter
-
-
-@dataclass(slots=True)
-class _Failures:
-    count: int
-    last: float  # when the latest failure was
-    until: float  # refused until then
-
-
-class AttemptLimiter:
-    """Failed attempts per subject (a client address, or a session), with backoff.
-
-    NOTE (policy): the first `free` failures cost nothing; the n-th after them refuses the
-    subject for `base_s * 2**(n - 1)` seconds, at most `cap_s`. A refused attempt is not
-    checked at all, so it neither counts nor lengthens the wait. A subject's failures are
-    forgotten `window_s` after its latest one, or when it succeeds.
-    NOTE (memory): at most `max_subjects` subjects; when full, the one whose latest failure
-    is oldest is dropped (the table is kept in that order).
-    """
-
-    def __init__(
-        self,
-        *,
-        free: int = 5,
-        base_s: float = 1.0,
-        cap_s: float = 300.0,
-        window_s: float = 900.0,
-        max_subjects: int = 10_000,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if free < 0 or base_s <= 0 or cap_s < base_s or window_s < cap_s or max_subjects < 1:
-            raise ValueError("need free >= 0, 0 < base_s <= cap_s <= window_s, max_subjects >= 1")
-        self.free, self.base_s, self.cap_s, self.window_s = free, base_s, cap_s, window_s
-        self.max_subjects = max_subjects
-        self._clock = clock
-        self._failures: collections.OrderedDict[str, _Failures] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._failures)
-
-    def retry_after(self, subject: str) -> float | None:
-        """Seconds until `subject` may try again, or None if it may now."""
-        record = self._failures.get(subject[:_MAX_SUBJECT_CHARS])
-        if record is None:
-            return None
-        wait = record.until - self._clock()
-        return wait if wait > 0 else None
-
-    def fail(self, subject: str) -> None:
-        subject = subject[:_MAX_SUBJECT_CHARS]
-        now = self._clock()
-        record = self._failures.pop(subject, None)
-        if record is None or now - record.last > self.window_s:
-            record = _Failures(count=0, last=now, until=now)
-        record.count += 1
-        record.last = now
-        over = record.count - self.free
-        if over > 0:
-            record.until = now + min(self.cap_s, self.base_s * 2 ** min(over - 1, 32))
-        self._failures[subject] = record  # now the newest
-        while len(self._failures) > self.max_subjects:
-            self._failures.popitem(last=False)
-
-    def forget(self, subject: str) -> None:
-        self._failures.pop(subject[:_MAX_SUBJECT_CHARS], None)
 
 
 # ---------------------------------------------------------------------- the gate

@@ -13,7 +13,6 @@ import hashlib
 import http.client
 import json
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -27,9 +26,10 @@ from websockets.exceptions import InvalidStatus
 from websockets.typing import Origin
 
 from clients.chat_client import ChatClient, ChatServerError
-from service.api.auth import DEFAULT_TENANT, ApiKeys, AttemptLimiter, Gate, KeysFileError
+from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.config import ServerConfig
 from service.api.frames import Error, ErrorCode, FrameError, SessionOpened
+from service.api.limiter import AttemptLimiter
 from service.api.options import add_arguments, config_from_args
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
 
@@ -519,39 +519,4 @@ async def test_the_own_an_allowed_or_no_origin_may_open_a_socket(
         await chat.open()
 
 
-# The chat page
-
-
-@pytest.mark.real_model
-async def test_the_chat_page_takes_a_key_from_its_address_and_keeps_it(
-    server: ServerProcess,
-) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("no chromium on this machine (apt-get install chromium)")
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as pw:
-        # --no-sandbox: CI and this machine run as root, where Chromium's sandbox refuses.
-        browser = await pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = await browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(server.http + "/")  # no key yet
-            await page.click("#start")
-            await page.wait_for_function(
-                "document.querySelector('#status').textContent.includes('?key=')"
-            )
-            await page.goto(server.http + f"/?key={BOB}")
-            await page.click("#start")
-            await page.wait_for_selector("#input:not([disabled])")
-            assert "key=" not in page.url  # out of the address bar and the history
-            assert await page.evaluate("localStorage.getItem('pagechat.api_key')") == BOB
-            await page.reload()  # the kept key resumes the session
-            await page.wait_for_function(
-                "document.querySelector('#meta').textContent.includes('resumed')"
-            )
-            assert errors == []
-        finally:
-            await browser.close()
+# The chat page with keys (?key=, kept, resumed) is pinned in tests/api/test_web.py.
