@@ -4,6 +4,7 @@ served model names, CORS and log-probabilities."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.client
 import json
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from service.api.config import ServerConfig
+from service.api.options import add_arguments, config_from_args
 from tests.api.server import ServerProcess, running_server, wait_balanced
 from tests.tiny_model import gguf_tokenizer
 
@@ -371,3 +374,17 @@ def test_answers_and_refusals_are_counted_in_the_metrics(server: ServerProcess) 
     assert turns == 2  # two samples, each cut at max_tokens
     assert errors == 1
     assert first_tokens == 1  # one request, one time to first token
+
+
+def test_the_openai_options_parse_and_cors_origins_are_checked_at_start_up() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--served-model-name", "a, b,", "--cors-allowed-origins", "HTTPS://App.example:443/"]
+    )
+    config = config_from_args(args)
+    assert config.served_model_names == ("a", "b")
+    assert config.cors_allowed_origins == ("https://app.example",)
+    assert config_from_args(parser.parse_args([])).cors_allowed_origins == ()  # off
+    with pytest.raises(ValueError, match="not an origin"):
+        ServerConfig(cors_allowed_origins=("app.example/path",))
