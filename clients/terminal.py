@@ -92,6 +92,8 @@ class Loop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 async def connect(args: argparse.Namespace) -> ChatClient:
