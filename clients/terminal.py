@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from clients.chat_client import ChatClient, ChatServerError
-from service.api.frames import Delta, Done, Error
+from protocol.frames import Delta, Done, Error
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/chat"
 CHAT_PATH = "/v1/chat"

@@ -43,7 +43,7 @@ from locust.env import Environment
 from clients.chat_client import ChatServerError as ServerError
 from loadtest.httpclient import CompletionError, stream_completion
 from loadtest.wsclient import ChatSocket, TurnResult, chat_url
-from service.api.frames import Sampling
+from protocol.frames import Sampling
 
 QUESTIONS = (
     "What is a paged KV cache?",

@@ -1,6 +1,6 @@
 """A blocking /v1/chat client for Locust users (gevent makes its socket cooperative).
 
-The frames are the server's own msgspec Structs (service.api.frames); the asyncio client in
+The frames are the server's own msgspec Structs (protocol.frames); the asyncio client in
 clients/chat_client.py speaks the same protocol for code that runs on an event loop.
 """
 
@@ -15,7 +15,7 @@ import msgspec
 import websocket
 
 from clients.chat_client import ChatServerError as ServerError
-from service.api.frames import (
+from protocol.frames import (
     ClientFrame,
     Delta,
     Done,

@@ -27,8 +27,8 @@ from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 
+from protocol.frames import ErrorCode, FrameError
 from service.api.config import normalize_origin
-from service.api.frames import ErrorCode, FrameError
 from service.api.limiter import AttemptLimiter
 from service.api.openai_request import OpenAIError
 

@@ -23,8 +23,7 @@ import redis.exceptions
 from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketState
 
-from service.api.auth import bearer, client_address
-from service.api.frames import (
+from protocol.frames import (
     MSGPACK_SUBPROTOCOL,
     Cancel,
     ChatMessage,
@@ -40,6 +39,7 @@ from service.api.frames import (
     SessionOpened,
     User,
 )
+from service.api.auth import bearer, client_address
 from service.api.sender import ClientGone, FrameSender
 from service.api.turn import Turn
 from service.engine.params import SamplingParams

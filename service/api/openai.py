@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from protocol.frames import ErrorCode, FrameError
 from service.api.auth import cache_salt_for, principal_of
-from service.api.frames import ErrorCode, FrameError
 from service.api.openai_answer import Answer, AnyRequest
 from service.api.openai_completions import (
     CompletionRequest,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from starlette.websockets import WebSocket
 
-from service.api.frames import Codec, ServerFrame
+from protocol.frames import Codec, ServerFrame
 
 log = logging.getLogger(__name__)
 

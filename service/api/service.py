@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from protocol.frames import ErrorCode, FrameError
 from service.api.auth import DEFAULT_TENANT, Gate
 from service.api.config import ServerConfig
-from service.api.frames import ErrorCode, FrameError
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
 from service.engine.async_engine import AsyncEngine, EngineDeadError

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 
-from service.api.auth import cache_salt_for
-from service.api.frames import (
+from protocol.frames import (
     Delta,
     Done,
     ErrorCode,
@@ -31,6 +30,7 @@ from service.api.frames import (
     Timing,
     Usage,
 )
+from service.api.auth import cache_salt_for
 from service.api.sender import ClientGone
 from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope, hash_blocks

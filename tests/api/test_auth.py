@@ -26,9 +26,9 @@ from websockets.exceptions import InvalidStatus
 from websockets.typing import Origin
 
 from clients.chat_client import ChatClient, ChatServerError
+from protocol.frames import Error, ErrorCode, FrameError, SessionOpened
 from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.config import ServerConfig
-from service.api.frames import Error, ErrorCode, FrameError, SessionOpened
 from service.api.limiter import AttemptLimiter
 from service.api.options import add_arguments, config_from_args
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix

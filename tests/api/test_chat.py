@@ -19,7 +19,7 @@ import redis
 import websockets
 
 from clients.chat_client import Answer, ChatClient, ChatServerError
-from service.api.frames import Delta, Error
+from protocol.frames import Delta, Error
 from service.sessions.models import PageMap
 from service.sessions.prompt import ChatFormat
 from tests.api.server import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from service.api.frames import (
+from protocol.frames import (
     Cancel,
     Codec,
     Delta,

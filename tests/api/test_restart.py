@@ -17,7 +17,7 @@ import pytest
 import websockets
 
 from clients.chat_client import ChatClient
-from service.api.frames import Delta, Error
+from protocol.frames import Delta, Error
 from service.sessions.prompt import ChatFormat
 from tests.api.server import start_server, wait_balanced
 from tests.tiny_model import gguf_tokenizer

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from clients.chat_client import ChatClient
-from service.api.frames import Delta
+from protocol.frames import Delta
 from service.api.pagemap import session_tag
 from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
