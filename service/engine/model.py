@@ -19,9 +19,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from service.engine.quant import (
+    KERNEL_DTYPE,
     PACKED_BITS,
+    DequantScratch,
     Int4Weight,
     Int8Weight,
+    PackedEmbedding,
     QuantLinear,
     Weight,
     dense,
@@ -209,7 +212,7 @@ class LlamaModel(nn.Module):
         self.args = args
         # Weights come from `from_weights`; skip nn.Embedding's normal_ init, which on the meta
         # device imports torch._dynamo (~4 s).
-        self.embed_tokens = nn.Embedding(
+        self.embed_tokens: nn.Embedding | PackedEmbedding = nn.Embedding(
             args.vocab_size,
             args.hidden_size,
             _weight=torch.empty(args.vocab_size, args.hidden_size),
@@ -236,6 +239,7 @@ class LlamaModel(nn.Module):
         *,
         weight_dtype: torch.dtype | None = None,
         max_packed_tokens: int | None = None,
+        dense_dtype: torch.dtype = KERNEL_DTYPE,
     ) -> LlamaModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
@@ -244,15 +248,17 @@ class LlamaModel(nn.Module):
         LM head. Norm weights and RoPE tables follow the activations.
 
         A packed `weight_dtype` (torch.uint4: int4, torch.int8: int8; see `quant.py`) puts
-        every projection in a `QuantLinear`: weights already in that format (a GGUF's Q4_0 and
-        Q4_1 blocks) are kept as they are, the others quantized. The LM head is int8 in both
-        (it decides the tokens; an int8 row costs half a bf16 one): a tied model gets its own
-        packed copy of the embedding for it, and the embedding lookup stays dense in `dtype`.
+        every projection in a `QuantLinear`: weights already in that format (a GGUF's Q4_0,
+        Q4_1 and Q4_K blocks) are kept as they are, the others quantized. The LM head is int8
+        in both (it decides the tokens; an int8 row costs half a bf16 one), and the token
+        embeddings are looked up in int8 too: in the LM head's own weight when they are tied.
+        No dense copy of any matmul weight is kept.
 
-        Each packed projection keeps a dense copy in `dtype` too, taken by steps of more than
-        `max_packed_tokens` rows (default: this CPU's crossover, timed once per process by
-        `quant.measured_max_packed_tokens`): prefill chunks and large decode batches run
-        dense. A tied LM head's dense copy is the embedding itself.
+        Steps of more than `max_packed_tokens` rows (default: this CPU's crossover, timed
+        once per process by `quant.measured_max_packed_tokens`) dequantize each weight into
+        one shared scratch buffer and run a dense GEMM in `dense_dtype` (bf16 where the CPU
+        has fast bf16 matmuls, fp32 where not): prefill chunks and large decode batches,
+        where the packed kernels are slower.
         """
         with torch.device("meta"):
             model = cls(args)
@@ -261,34 +267,32 @@ class LlamaModel(nn.Module):
         matmul_dtype = dtype if bits else weight_dtype or dtype
         crossover = {b: max_packed_tokens for b in (4, 8)}
         if bits and max_packed_tokens is None:
-            crossover = {b: measured_max_packed_tokens(b, dtype) for b in {bits, 8}}
+            crossover = {b: measured_max_packed_tokens(b, dense_dtype) for b in {bits, 8}}
+        scratch = DequantScratch(dense_dtype)
         state: dict[str, Tensor] = {}
+
+        def packed_linear(w: Weight, b: int) -> QuantLinear:
+            limit = crossover[b]
+            return QuantLinear(_packed(w, b), device, scratch=scratch, max_packed_tokens=limit or 0)
+
         for name, w in weights.items():
             prefix = name.rpartition(".")[0]
             owner = model.get_submodule(prefix)
-            if bits and isinstance(owner, nn.Linear):
-                b = 8 if prefix == "lm_head" else bits
-                packed = QuantLinear(
-                    _packed(w, b),
-                    device,
-                    dense=dense(w).to(device=device, dtype=dtype),
-                    max_packed_tokens=crossover[b] or 0,
-                )
+            if bits and isinstance(owner, nn.Linear | nn.Embedding):
+                b = bits if isinstance(owner, Linear) and prefix != "lm_head" else 8
+                module: nn.Module = packed_linear(w, b)
+                if isinstance(owner, nn.Embedding):
+                    assert isinstance(module, QuantLinear)
+                    if args.tie_word_embeddings:
+                        model.lm_head = module
+                        state.update({f"lm_head.{k}": v for k, v in module.state_dict().items()})
+                    module = PackedEmbedding(module, dtype)
                 parent, _, attr = prefix.rpartition(".")
-                setattr(model.get_submodule(parent), attr, packed)
-                state.update({f"{prefix}.{k}": v for k, v in packed.state_dict().items()})
+                setattr(model.get_submodule(parent) if parent else model, attr, module)
+                state.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
                 continue
             is_matmul = isinstance(owner, nn.Linear | nn.Embedding)
             state[name] = dense(w).to(device=device, dtype=matmul_dtype if is_matmul else dtype)
-        if bits and model.lm_head is None:
-            embedding = state["embed_tokens.weight"]
-            model.lm_head = QuantLinear(
-                quantize_int8(embedding),
-                device,
-                dense=embedding,
-                max_packed_tokens=crossover[8] or 0,
-            )
-            state.update({f"lm_head.{k}": v for k, v in model.lm_head.state_dict().items()})
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
         # The reference Llama casts cos/sin to the activations' dtype; so do we.
@@ -307,6 +311,14 @@ class LlamaModel(nn.Module):
         return _DENSE_NAMES[qkv.weight.dtype]
 
     @property
+    def dense_weight_dtype(self) -> torch.dtype:
+        """The dtype the dense matmuls read: the weights' own, or bf16 where packed weights
+        are dequantized for large steps."""
+        if isinstance(self.embed_tokens, PackedEmbedding):
+            return KERNEL_DTYPE
+        return self.embed_tokens.weight.dtype
+
+    @property
     def weights_description(self) -> str:
         """For the start-up log: the format, and where packed, which kernel runs when."""
         first = self.layers[0]
@@ -314,11 +326,12 @@ class LlamaModel(nn.Module):
         qkv = first.attn.qkv
         if not isinstance(qkv, QuantLinear):
             return self.weights_name
-        dense = "" if qkv.dense is None else _DENSE_NAMES[qkv.dense.dtype]
         head = f"; LM head int{self.lm_head.bits}" if isinstance(self.lm_head, QuantLinear) else ""
+        if qkv.scratch is None:
+            return f"{self.weights_name} (packed kernel at every batch size{head})"
         return (
             f"{self.weights_name} (packed kernel up to {qkv.max_packed_tokens} rows a step, "
-            f"a dense {dense} copy above{head})"
+            f"dequantized to bf16 above{head})"
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
@@ -337,7 +350,12 @@ class LlamaModel(nn.Module):
         if isinstance(self.lm_head, QuantLinear):
             logits: Tensor = self.lm_head(hidden)
             return logits.float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            weight = self.lm_head.weight
+        else:
+            # A packed model's LM head is a QuantLinear, tied or not: a tied one is dense.
+            assert isinstance(self.embed_tokens, nn.Embedding)
+            weight = self.embed_tokens.weight
         return F.linear(hidden.to(weight.dtype), weight).float()
 
 

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import QuantLinear, quantize_int4, quantize_int8
+from service.engine.quant import PackedEmbedding, QuantLinear, quantize_int4, quantize_int8
 from tests.tiny_model import ContiguousAttention, make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -222,6 +222,7 @@ def _dequantized_reference(loaded: LoadedModel, bits: int) -> LlamaModel:
             state[name] = quantize(w).dequantize()
     head = state.get("lm_head.weight", state["embed_tokens.weight"])
     state["lm_head.weight"] = quantize_int8(head).dequantize()
+    state["embed_tokens.weight"] = quantize_int8(state["embed_tokens.weight"]).dequantize()
     untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
     return LlamaModel.from_weights(untied, state, torch.float32, CPU)
 
@@ -232,7 +233,7 @@ def test_a_hf_model_quantized_at_load_time_packs_every_projection(
     tiny: tuple[LoadedModel, LlamaForCausalLM], tmp_path: Path, weight_dtype: torch.dtype, bits: int
 ) -> None:
     """Weight-only, per group of 32 (int4) or per row (int8); the LM head is int8 in both,
-    a tied model's a packed copy of its embedding, whose lookup stays dense."""
+    and the embeddings are looked up in int8 rows: a tied model's in the LM head's own."""
     loaded = tiny[0]
     tied = loaded.model.lm_head is None
     directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
@@ -242,7 +243,9 @@ def test_a_hf_model_quantized_at_load_time_packs_every_projection(
     projections = [m for m in packed.modules() if isinstance(m, QuantLinear)]
     assert [m.bits for m in projections] == [bits] * (4 * loaded.args.num_layers) + [8]
     assert isinstance(packed.lm_head, QuantLinear)
-    assert packed.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(packed.embed_tokens, PackedEmbedding)
+    if tied:
+        assert packed.embed_tokens.packed.data_ptr() == packed.lm_head.packed.data_ptr()
     assert packed.weights_name == f"int{bits}"
     reference = _dequantized_reference(loaded, bits)
     ids = _tokens(9, seed=4)

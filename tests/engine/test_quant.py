@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from service.engine import native
 from service.engine.loader import default_model_path, open_gguf
 from service.engine.quant import (
     GROUP_SIZE,
+    NO_CROSSOVER,
     TRIAL_ROWS,
+    DequantScratch,
     Int4Weight,
+    PackedEmbedding,
     QuantLinear,
     cat_rows,
     dense,
@@ -111,20 +117,65 @@ def test_rows_stacked_packed_dequantize_as_the_stacked_rows() -> None:
     assert torch.equal(flipped.dequantize(), a.dequantize().flip(0))
 
 
-def test_steps_above_the_crossover_take_the_dense_copy() -> None:
+def _dense_path_bound(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # The dense path rounds the input and the dequantized weight to bf16 (w from the bf16
+    # scale and zero pairs it is stored with), accumulates in fp32 and rounds the output.
+    return 2 * BF16_EPS * (x.abs() @ w.abs().T) + BF16_EPS * y.abs() + 1e-6
+
+
+def _stored_int4(int4: Int4Weight) -> torch.Tensor:
+    """The weight as QuantLinear stores it: scales and zeros rounded to bf16."""
+    rounded = Int4Weight(int4.q, int4.scale.bfloat16().float(), int4.zero.bfloat16().float())
+    return rounded.dequantize()
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: no dense path")
+def test_steps_above_the_crossover_dequantize_and_run_a_dense_bf16_matmul() -> None:
     int4 = quantize_int4(_random(64, 128, seed=9))
-    w = int4.dequantize()
-    layer = QuantLinear(int4, CPU, dense=w, max_packed_tokens=4)
-    packed_only = QuantLinear(int4, CPU)
+    w = _stored_int4(int4)
+    layer = QuantLinear(int4, CPU, scratch=DequantScratch(), max_packed_tokens=4)
+    packed_only = QuantLinear(int4, CPU, max_packed_tokens=NO_CROSSOVER)
     small, large = _random(4, 128, seed=10), _random(5, 128, seed=11)
-    assert torch.equal(layer(small), packed_only(small))  # the kernel, bf16 inside
-    assert torch.equal(layer(large), large @ w.T)  # the dense fp32 matmul
+    assert torch.equal(layer(small), packed_only(small))  # the kernel
+    dense_out = layer(large)
+    assert torch.equal(dense_out, F.linear(large.bfloat16(), w.bfloat16()).float())
+    ref = large @ w.T
+    assert bool(((dense_out - ref).abs() <= _dense_path_bound(large, w, ref)).all())
     assert packed_kernel_pays(4, 4) and not packed_kernel_pays(5, 4)
     assert not packed_kernel_pays(1, 0)
 
 
-# {rows: (packed ms, dense ms)}: crossover_trial(4, torch.float32), one torch thread, on a
-# 2-core AVX2 EPYC shared with other work (2026-12-01).
+@pytest.mark.skipif(native.library() is None, reason="no C compiler: no dense path")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_over_the_scratch_runs_block_by_block_with_the_same_result(bits: int) -> None:
+    w = _random(320, 64, seed=12)  # 5 tiles of 64 output rows
+    packed = quantize_int4(w) if bits == 4 else quantize_int8(w)
+    whole = QuantLinear(packed, CPU, scratch=DequantScratch())
+    blocks = QuantLinear(packed, CPU, scratch=DequantScratch(max_elements=128 * 64))
+    assert whole.max_dense_rows == 320 and blocks.max_dense_rows == 128
+    x = _random(9, 64, seed=13)
+    a, b = whole(x), blocks(x)
+    assert b.is_contiguous() and b.shape == (9, 320)
+    ref = x @ dense(packed).T
+    bound = _dense_path_bound(x, dense(packed), ref) + 2 * BF16_EPS * ref.abs()
+    assert bool(((a - b).abs() <= bound).all())
+
+
+def test_embeddings_are_looked_up_in_the_lm_heads_int8_rows() -> None:
+    int8 = quantize_int8(_random(50, 64, seed=14))
+    head = QuantLinear(int8, CPU)
+    embedding = PackedEmbedding(head, torch.float32)
+    ids = torch.tensor([3, 0, 49, 3])
+    stored = int8.q.float() * int8.scale.bfloat16().float()[:, None]  # bf16 scales, as kept
+    assert torch.equal(embedding(ids), stored[ids])
+    assert embedding.packed.data_ptr() == head.packed.data_ptr()  # one table, not two
+    with pytest.raises(ValueError, match="int8"):
+        PackedEmbedding(QuantLinear(quantize_int4(_random(64, 64)), CPU), torch.float32)
+
+
+# {rows: (packed ms, dense ms)}: one decoder layer's matmuls, the int4 kernel against dense
+# fp32 weights (the dense path before it dequantized to bf16), one torch thread, on a 2-core
+# AVX2 EPYC shared with other work (2026-12-01).
 AVX2_INT4 = {
     1: (0.62, 1.23),
     2: (0.78, 1.72),
@@ -153,4 +204,24 @@ def test_the_crossover_is_the_most_rows_up_to_which_packed_always_won(
 
 
 def test_the_crossover_trial_returns_a_tried_row_count_or_zero() -> None:
-    assert measured_max_packed_tokens(4, torch.float32) in (0, *TRIAL_ROWS)
+    expected = (0, *TRIAL_ROWS) if native.library() is not None else (NO_CROSSOVER,)
+    assert measured_max_packed_tokens(4) in expected
+
+
+def _random_q4_k(n: int, k: int, seed: int) -> np.ndarray:
+    """Valid Q4_K rows: random six-bit pairs and nibbles under small positive fp16 d, dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    for start in (0, 2):  # d and dmin
+        half = rng.uniform(1e-3, 1e-1, size=(n, k // 256)).astype(np.float16)
+        blocks[..., start : start + 2] = half[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_gguf_q4_k_blocks_map_onto_int4_with_the_same_values() -> None:
+    blocks = _random_q4_k(8, 512, seed=15)
+    int4 = gguf_int4(blocks, gguf.GGMLQuantizationType.Q4_K)
+    assert int4 is not None and int4.q.shape == (8, 512) and int4.scale.shape == (8, 16)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
+    # The zero rounds once in fp32 (8 d sc - dmin m), so within 2 ulps of the largest value.
+    assert torch.allclose(int4.dequantize(), expected, rtol=0, atol=2e-7 * expected.abs().max())

@@ -1,0 +1,171 @@
+/* Packed weights back to dense bf16, for steps with too many rows for the packed kernels.
+
+   torch's weight-only CPU kernels are fast while a step reads few rows (decode) and slow once
+   it has many (prefill: ~2.5x a dense bf16 GEMM at 512 rows), because they dequantize the
+   weights again for every few rows. Dequantizing a layer's weight once into a scratch buffer
+   and running the dense GEMM costs ~1 ms per decoder layer of the default model instead.
+   Plain C, written for the compiler to vectorize (built with -O3 -march=native by native.py).
+
+   The dense matmul runs in bf16 where the CPU has fast bf16 dot products and in fp32 where
+   it has not (an AVX2-only CPU ran bf16 matmuls ~7x slower), so each function writes either:
+   `out_fp32` selects float outputs, else bf16 ones. bf16 values travel as uint16_t and are
+   rounded to nearest even, as torch rounds.
+*/
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even (no NaNs reach here) */
+    return (uint16_t)(u >> 16);
+}
+
+/* int4 in torch's CPU layout (`_convert_weight_to_int4pack_for_cpu`, checked by
+   tests/engine/test_native.py and once at start-up): packed is [N, K/2] bytes holding tiles
+   of 64 output rows; tile t is K runs of 32 bytes, byte j of run k holding w[64t + j, k] in
+   its low nibble and w[64t + 32 + j, k] in its high one. The last N % 64 rows (a multiple of
+   16) form one narrower tile of width R, byte j of run k holding rows 2j and 2j + 1.
+   scales_zeros is [K/32, N, 2] bf16: w = scale * (q - 8) + zero, one pair per group of 32
+   along k. Rows [n_begin, n_end) (on tile boundaries) are written transposed: w[n, c] to
+   out[c * out_stride + n - n_begin], so a run of 64 outputs is contiguous and vectorizes. */
+static inline float int4_value(uint8_t nibble, const uint16_t *pair) {
+    return ((float)nibble - 8.0f) * bf16_to_float(pair[0]) + bf16_to_float(pair[1]);
+}
+
+/* Writes one output as bf16 or fp32 (see the top). */
+#define STORE(out, out_fp32, index, value)                     \
+    do {                                                       \
+        if (out_fp32)                                          \
+            ((float *)(out))[index] = (value);                 \
+        else                                                   \
+            ((uint16_t *)(out))[index] = float_to_bf16(value); \
+    } while (0)
+
+static inline void dequant_int4(const uint8_t *packed, const uint16_t *scales_zeros, void *out,
+                                int64_t n, int64_t k, int64_t n_begin, int64_t n_end,
+                                int64_t out_stride, const int out_fp32) {
+    const int64_t full_rows = n - n % 64;
+    for (int64_t c = 0; c < k; c++) {
+        const uint16_t *pairs = scales_zeros + (c / 32) * n * 2;
+        const int64_t row0 = c * out_stride - n_begin; /* output index of row 0, column c */
+        for (int64_t base = n_begin; base < n_end && base < full_rows; base += 64) {
+            const uint8_t *bytes = packed + base * k / 2 + c * 32;
+            for (int j = 0; j < 32; j++) {
+                const int64_t lo = base + j, hi = base + 32 + j;
+                STORE(out, out_fp32, row0 + lo, int4_value(bytes[j] & 15, pairs + 2 * lo));
+                STORE(out, out_fp32, row0 + hi, int4_value(bytes[j] >> 4, pairs + 2 * hi));
+            }
+        }
+        if (n_end > full_rows) {
+            const int64_t half = (n - full_rows) / 2;
+            const uint8_t *bytes = packed + full_rows * k / 2 + c * half;
+            for (int64_t j = 0; j < half; j++) {
+                const int64_t lo = full_rows + 2 * j, hi = lo + 1;
+                STORE(out, out_fp32, row0 + lo, int4_value(bytes[j] & 15, pairs + 2 * lo));
+                STORE(out, out_fp32, row0 + hi, int4_value(bytes[j] >> 4, pairs + 2 * hi));
+            }
+        }
+    }
+}
+
+/* Two copies, so that each inner loop is compiled for one output type. */
+void pagechat_dequant_int4(const uint8_t *packed, const uint16_t *scales_zeros, void *out,
+                           int64_t n, int64_t k, int64_t n_begin, int64_t n_end,
+                           int64_t out_stride, int64_t out_fp32) {
+    if (out_fp32)
+        dequant_int4(packed, scales_zeros, out, n, k, n_begin, n_end, out_stride, 1);
+    else
+        dequant_int4(packed, scales_zeros, out, n, k, n_begin, n_end, out_stride, 0);
+}
+
+/* int8 as `_weight_int8pack_mm` reads it: q [N, K] int8, one bf16 scale per row.
+   Rows [n_begin, n_end) are written as they are: w[n, c] to out[(n - n_begin) * out_stride
+   + c] (out_stride is K for a dense block). */
+static inline void dequant_int8(const int8_t *q, const uint16_t *scales, void *out, int64_t k,
+                                int64_t n_begin, int64_t n_end, int64_t out_stride,
+                                const int out_fp32) {
+    for (int64_t r = n_begin; r < n_end; r++) {
+        const float scale = bf16_to_float(scales[r]);
+        const int8_t *src = q + r * k;
+        const int64_t row = (r - n_begin) * out_stride;
+        for (int64_t c = 0; c < k; c++) {
+            STORE(out, out_fp32, row + c, (float)src[c] * scale);
+        }
+    }
+}
+
+void pagechat_dequant_int8(const int8_t *q, const uint16_t *scales, void *out, int64_t n,
+                           int64_t k, int64_t n_begin, int64_t n_end, int64_t out_stride,
+                           int64_t out_fp32) {
+    (void)n;
+    if (out_fp32)
+        dequant_int8(q, scales, out, k, n_begin, n_end, out_stride, 1);
+    else
+        dequant_int8(q, scales, out, k, n_begin, n_end, out_stride, 0);
+}
+
+/* y[r, j] = scale[j] * sum_c q[j, c] * x[r, c] for r < m and weight rows j in [n_begin,
+   n_end): an int8 matrix-vector product with fp32 input, accumulation and output, for the
+   LM head at decode. torch's `_weight_int8pack_mm` runs in bf16 and rounds the logits to
+   8 significant bits (steps of 0.125 at 25: top tokens tie); this keeps them fp32. Each
+   weight row is read from memory once: the m dot products over it find it in L1. y is
+   [m, n] (row stride n). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* gcc 12 lowers generic vector conversions from int8 to scalar code: intrinsics instead. */
+static inline float dot_int8(const int8_t *w, const float *x, int64_t k) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 32 <= k; c += 32) {
+        const __m512i w0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + c)));
+        const __m512i w1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + c + 16)));
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w0), _mm512_loadu_ps(x + c), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(w1), _mm512_loadu_ps(x + c + 16), acc1);
+    }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; c < k; c++) sum += (float)w[c] * x[c];
+    return sum;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+static inline float dot_int8(const int8_t *w, const float *x, int64_t k) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= k; c += 16) {
+        const __m256i w0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + c)));
+        const __m256i w1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + c + 8)));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w0), _mm256_loadu_ps(x + c), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(w1), _mm256_loadu_ps(x + c + 8), acc1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));
+    float sum = 0.0f;
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+    for (; c < k; c++) sum += (float)w[c] * x[c];
+    return sum;
+}
+#else
+static inline float dot_int8(const int8_t *w, const float *x, int64_t k) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < k; c++) sum += (float)w[c] * x[c];
+    return sum;
+}
+#endif
+
+void pagechat_int8_gemv(const float *x, int64_t m, const int8_t *q, const uint16_t *scales,
+                        float *y, int64_t n, int64_t k, int64_t n_begin, int64_t n_end) {
+    for (int64_t j = n_begin; j < n_end; j++) {
+        const float scale = bf16_to_float(scales[j]);
+        for (int64_t r = 0; r < m; r++) {
+            y[r * n + j] = scale * dot_int8(q + j * k, x + r * k, k);
+        }
+    }
+}

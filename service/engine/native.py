@@ -1,0 +1,236 @@
+"""dequant.c, compiled once per machine and called through ctypes.
+
+The packed kernels' dense path (`quant.QuantLinear` above its crossover) dequantizes a
+layer's weight into a scratch buffer with these functions, then runs a dense bf16 GEMM.
+There is no torch op for it, and eager torch takes ~17 ms per decoder layer for what the C
+loop does in ~1 ms (docs/perf.md).
+
+NOTE: built with -march=native, so the library is cached under a key of the source, the
+compiler command and this CPU's feature flags: a cache directory shared between machines
+never hands one CPU's instructions to another. Where no C compiler is found (a slim image)
+or the library disagrees with torch's packing on a probe, `library()` is None and the packed
+formats run their packed kernel at every batch size (slower prefill, same results).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("dequant.c")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $PAGECHAT_CACHE_DIR, else the user's cache directory."""
+    if explicit := os.environ.get("PAGECHAT_CACHE_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagechat"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"libpagechat_dequant-{platform.machine()}-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target, then renamed: a concurrent start never loads half a file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", tmp, str(SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot be built or fails the probe."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler: packed weights run their packed kernel at every batch size")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("could not build %s (%s %s)", SOURCE.name, exc, detail.decode()[-500:])
+        return None
+    for fn in (lib.pagechat_dequant_int4, lib.pagechat_dequant_int8):
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6
+    lib.pagechat_int8_gemv.restype = None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.pagechat_int8_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
+    if not _probe(lib):
+        log.warning("%s disagrees with torch's int4 packing: not used", SOURCE.name)
+        return None
+    return lib
+
+
+def _probe(lib: ctypes.CDLL) -> bool:
+    """Dequantize a small packed weight (a full tile and a narrow tail) and compare."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 80, 64
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    pairs = torch.randn(k // 32, n, 2, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    got = torch.empty(k, n, dtype=torch.bfloat16)  # transposed
+    lib.pagechat_dequant_int4(packed.data_ptr(), pairs.data_ptr(), got.data_ptr(), n, k, 0, n, n, 0)
+    scale, zero = pairs.float().unbind(-1)  # [K/32, N] each
+    want = (q.float() - 8).view(n, k // 32, 32) * scale.t()[..., None] + zero.t()[..., None]
+    return torch.equal(got.t(), want.view(n, k).to(torch.bfloat16))
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="pagechat-native")
+
+
+def _in_parallel(rows: tuple[int, int], align: int, run: Callable[[int, int], None]) -> None:
+    """run(begin, end) over parts of the weight rows [rows), one part per torch thread, cut
+    at multiples of `align`, all at once: ctypes releases the GIL during a call. Small
+    weights are not worth a thread hop."""
+    begin, end = rows
+    threads = torch.get_num_threads()
+    if threads <= 1 or end - begin < 2 * align:
+        run(begin, end)
+        return
+    step = -(-(end - begin) // threads // align) * align
+    parts = [(a, min(a + step, end)) for a in range(begin, end, step)]
+    for f in [_pool(threads).submit(run, a, b) for a, b in parts]:
+        f.result()
+
+
+DENSE_DTYPES = (torch.bfloat16, torch.float32)  # what the dequantizers write
+
+
+def _check(
+    out: Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], *ins: Tensor
+) -> None:
+    if out.shape != shape or out.dtype not in dtypes:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}, want {shape} in {dtypes}")
+    for t in (out, *ins):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("the native functions take contiguous CPU tensors")
+
+
+def _library_or_raise() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native library is not available")
+    return lib
+
+
+def _check_int8(q: Tensor, scales: Tensor, rows: tuple[int, int]) -> None:
+    n, k = q.shape
+    if q.dtype != torch.int8 or scales.shape != (n,) or scales.dtype != torch.bfloat16:
+        raise ValueError(f"int8 weight {tuple(q.shape)} {q.dtype}, scales {tuple(scales.shape)}")
+    if not 0 <= rows[0] < rows[1] <= n:
+        raise ValueError(f"rows {rows} of [{n}, {k}]")
+
+
+def dequantize_int4(packed: Tensor, pairs: Tensor, out: Tensor, rows: tuple[int, int]) -> Tensor:
+    """Rows [rows) of an int4 weight, dense: packed [N, K/2] uint8 in torch's CPU layout,
+    pairs [K/32, N, 2] bf16 (scale, zero). `out` is [K, rows] bf16 or fp32 (the block
+    transposed, which the C loop writes fastest); returns it as the [rows, K] view F.linear
+    takes. Rows begin and end on tiles of 64 (or at N)."""
+    lib = _library_or_raise()
+    n, k = packed.shape[0], packed.shape[1] * 2
+    first, last = rows
+    if (
+        packed.dtype != torch.uint8
+        or pairs.shape != (k // 32, n, 2)
+        or pairs.dtype != torch.bfloat16
+    ):
+        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype}, pairs {pairs.shape}")
+    if k % 32 or n % 16 or not 0 <= first < last <= n or first % 64 or (last % 64 and last != n):
+        raise ValueError(f"rows {rows} of [{n}, {k}]: needs K % 32, N % 16, tiles of 64")
+    _check(out, (k, last - first), DENSE_DTYPES, packed, pairs)
+    fp32 = int(out.dtype == torch.float32)
+
+    def run(begin: int, end: int) -> None:
+        column = out.data_ptr() + (begin - first) * out.element_size()  # out[0, begin - first]
+        lib.pagechat_dequant_int4(
+            packed.data_ptr(), pairs.data_ptr(), column, n, k, begin, end, last - first, fp32
+        )
+
+    _in_parallel(rows, 64, run)
+    return out.t()
+
+
+def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, rows: tuple[int, int]) -> Tensor:
+    """Rows [rows) of an int8 weight, dense: q [N, K] int8, scales [N] bf16; out is
+    [rows, K] bf16 or fp32, overwritten and returned."""
+    lib = _library_or_raise()
+    _check_int8(q, scales, rows)
+    n, k = q.shape
+    first, last = rows
+    _check(out, (last - first, k), DENSE_DTYPES, q, scales)
+    fp32 = int(out.dtype == torch.float32)
+
+    def run(begin: int, end: int) -> None:
+        row = out.data_ptr() + (begin - first) * k * out.element_size()  # out[begin - first]
+        lib.pagechat_dequant_int8(q.data_ptr(), scales.data_ptr(), row, n, k, begin, end, k, fp32)
+
+    _in_parallel(rows, 16, run)
+    return out
+
+
+def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """x [M, K] fp32 times an int8 weight q [N, K] with bf16 row scales: [M, N] fp32,
+    accumulated in fp32 (torch's int8 kernel rounds its output to bf16). For few rows: it
+    reads the weight once but computes each row's dot products without blocking."""
+    lib = _library_or_raise()
+    n, k = q.shape
+    _check_int8(q, scales, (0, n))
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight")
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _check(y, (m, n), (torch.float32,), x.contiguous(), q, scales)
+    x = x.contiguous()
+
+    def run(begin: int, end: int) -> None:
+        lib.pagechat_int8_gemv(
+            x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, begin, end
+        )
+
+    _in_parallel((0, n), 16, run)
+    return y

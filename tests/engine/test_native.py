@@ -1,0 +1,129 @@
+"""The native dequantizers: torch's CPU int4 layout read back exactly, and their build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.engine import native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _int4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed q, its (scale, zero) pairs, and the dense weight they stand for, in bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    pairs = torch.randn(k // 32, n, 2, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scale, zero = pairs.float().unbind(-1)  # [K/32, N]
+    w = (q.float() - 8).view(n, k // 32, 32) * scale.t()[..., None] + zero.t()[..., None]
+    return packed, pairs, w.view(n, k).to(torch.bfloat16)
+
+
+# Whole tiles of 64 rows, a narrow tail (N % 64), and the default model's shapes.
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (80, 64), (112, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_in_torchs_cpu_layout_dequantizes_exactly(n: int, k: int, threads: int) -> None:
+    packed, pairs, want = _int4(n, k, seed=n + k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.dequantize_int4(packed, pairs, torch.empty(k, n, dtype=torch.bfloat16), (0, n))
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (n, k)
+    assert torch.equal(got, want)
+
+
+def test_a_block_of_int4_rows_dequantizes_as_those_rows() -> None:
+    packed, pairs, want = _int4(208, 64, seed=1)  # 3 tiles and a 16-row tail
+    block = native.dequantize_int4(
+        packed, pairs, torch.empty(64, 80, dtype=torch.bfloat16), (128, 208)
+    )
+    assert torch.equal(block, want[128:208])
+
+
+def test_int8_rows_dequantize_to_q_times_their_scale() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (96, 40), generator=gen, dtype=torch.int8)
+    scales = torch.rand(96, generator=gen).to(torch.bfloat16)
+    want = (q.float() * scales.float()[:, None]).to(torch.bfloat16)
+    whole = native.dequantize_int8(q, scales, torch.empty(96, 40, dtype=torch.bfloat16), (0, 96))
+    assert torch.equal(whole, want)
+    part = native.dequantize_int8(q, scales, torch.empty(30, 40, dtype=torch.bfloat16), (10, 40))
+    assert torch.equal(part, want[10:40])
+
+
+def test_shapes_that_do_not_fit_are_refused_before_any_memory_is_touched() -> None:
+    packed, pairs, _ = _int4(128, 64, seed=3)
+    out = torch.empty(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows"):
+        native.dequantize_int4(packed, pairs, out, (32, 128))  # not on a tile
+    with pytest.raises(ValueError, match="out"):
+        native.dequantize_int4(packed, pairs, torch.empty(64, 64, dtype=torch.bfloat16), (0, 128))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.dequantize_int4(
+            packed, pairs, torch.empty(128, 64, dtype=torch.bfloat16).t(), (0, 128)
+        )
+    with pytest.raises(ValueError, match="scales"):
+        native.dequantize_int8(
+            torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), torch.empty(4, 8), (0, 4)
+        )
+
+
+def test_the_library_is_built_once_per_cpu_into_the_cache(tmp_path: Path) -> None:
+    code = "from service.engine import native; lib = native.library(); print(lib is not None)"
+    env = {**os.environ, "PAGECHAT_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert out.stdout.strip() == "True", out.stderr
+    built = list(tmp_path.glob("libpagechat_dequant-*.so"))
+    assert len(built) == 1  # the second start found the first one's library
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_without_a_compiler_there_is_no_library_and_packed_layers_keep_their_kernel(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import torch\n"
+        "from service.engine import native, quant\n"
+        "print(native.library())\n"
+        "w = quant.quantize_int4(torch.randn(64, 64))\n"
+        "layer = quant.QuantLinear(w, torch.device('cpu'), scratch=quant.DequantScratch())\n"
+        "print(layer.scratch, quant.measured_max_packed_tokens(4) == quant.NO_CROSSOVER)\n"
+        "print(tuple(layer(torch.randn(300, 64)).shape))\n"
+    )
+    env = {**os.environ, "PAGECHAT_CACHE_DIR": str(tmp_path), "CC": str(tmp_path / "no-cc")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["None", "None True", "(300, 64)"]
+    assert "could not build dequant.c" in out.stderr
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_int8_matrix_vector_product_stays_in_fp32(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (200, 72), generator=gen, dtype=torch.int8)  # k % 32 != 0
+    scales = torch.rand(200, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 72, generator=gen)
+    y = native.int8_gemv(x, q, scales)
+    w = q.double() * scales.double()[:, None]
+    want = x.double() @ w.T
+    assert y.dtype == torch.float32 and y.shape == (rows, 200)
+    # fp32 accumulation of 72 products: within 72 * 2^-24 of the sum of their magnitudes.
+    bound = 72 * 2.0**-24 * (x.double().abs() @ w.abs().T)
+    assert bool(((y.double() - want).abs() <= bound).all())
+    with pytest.raises(ValueError, match="input"):
+        native.int8_gemv(x.bfloat16(), q, scales)
