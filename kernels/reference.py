@@ -99,15 +99,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of each sequence's new tokens over its paged context (written beforehand)."""
+    if plan.decode is not None and not plan.prefills:
+        # Every row decodes, in order: no rows to pick out or put back.
+        return _decode(query, key_cache, value_cache, plan.decode, scale)
     out = torch.empty_like(query)
-    gqa = query.shape[1] != key_cache.shape[2]
     if plan.decode is not None:
         g = plan.decode
-        q = query[g.rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        k = _gather(key_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)  # [Bd, Hkv, C, D]
-        v = _gather(value_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-        out[g.rows] = o.squeeze(2)
+        out[g.rows] = _decode(query[g.rows], key_cache, value_cache, g, scale)
+    gqa = query.shape[1] != key_cache.shape[2]
     for p in plan.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
         q = query[rows].transpose(0, 1)  # [Hq, Q, D]
@@ -118,6 +117,22 @@ def paged_attention(
         )
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def _decode(
+    query: torch.Tensor,  # [Bd, Hq, D]: one row per decoding sequence
+    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    value_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    g: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:  # [Bd, Hq, D]
+    """One padded SDPA call for all decode rows."""
+    gqa = query.shape[1] != key_cache.shape[2]
+    q = query.unsqueeze(2)  # [Bd, Hq, 1, D]
+    k = _gather(key_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)  # [Bd, Hkv, C, D]
+    v = _gather(value_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(2)
 
 
 def _gather(
@@ -141,11 +156,13 @@ def write_kv(
     value_cache: torch.Tensor,  # [N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    bs = key_cache.shape[1]
-    blocks = slot_mapping // bs
-    offsets = slot_mapping % bs
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        if cache.is_contiguous():  # one flat scatter over slots, no block/offset split
+            flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [N * bs, Hkv, D]
+            flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
+        else:
+            bs = cache.shape[1]
+            cache[slot_mapping // bs, slot_mapping % bs] = new.to(cache.dtype)
 
 
 def copy_blocks(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

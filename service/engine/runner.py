@@ -59,7 +59,7 @@ class StepInputs:
 class PagedLayerAttention:
     """The model's attention hook for one step: write the new K/V, attend through pages."""
 
-    pool: torch.Tensor  # [L, 2, N, bs, Hkv, D]
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V [N, bs, Hkv, D]
     backend: AttentionBackend
     meta: AttentionMetadata
     plan: object
@@ -69,7 +69,7 @@ class PagedLayerAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
+        key_cache, value_cache = self.caches[layer]
         self.backend.write_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
         return self.backend.attend(q, key_cache, value_cache, self.meta, self.plan, self.scale)
 
@@ -101,6 +101,9 @@ class ModelRunner:
             dtype=dtype,
             pin_memory=device.type == "cuda",
         )
+        # Views into the device pool, taken once: indexing the pool per layer and step cost
+        # four ops on the decode hot path. The pool is written in place, never replaced.
+        self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
 
     @staticmethod
     def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -171,7 +174,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The forward; logits [S, V] float32 of the chunks that sample."""
         attention = PagedLayerAttention(
-            pool=self.device_pool,
+            caches=self.layer_caches,
             backend=self.backend,
             meta=inputs.meta,
             plan=inputs.plan,
