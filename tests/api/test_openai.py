@@ -348,28 +348,18 @@ async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: Server
     assert (await first)[-1] == "[DONE]"
 
 
-def metric(server: ServerProcess, series: str) -> float:
-    """One series of /metrics, e.g. 'pagechat_turns_total{finish_reason="stop"}' (0 if absent)."""
-    status, body = server.get("/metrics")
-    assert status == 200
-    for line in body.decode().splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_answers_and_refusals_are_counted_in_the_metrics(server: ServerProcess) -> None:
     series = (
-        'pagechat_turns_total{finish_reason="length"}',
-        'pagechat_errors_total{code="model_not_found"}',
-        "pagechat_time_to_first_token_seconds_count",
+        ("pagechat_turns_total", {"finish_reason": "length", "model_name": NAMES[0]}),
+        ("pagechat_errors_total", {"code": "model_not_found"}),
+        ("pagechat_time_to_first_token_seconds_count", {}),
     )
-    before = [metric(server, s) for s in series]
+    before = [server.metric(name, **labels) for name, labels in series]
     body = {"messages": FRANCE, "max_tokens": 2, "n": 2, "seed": 1, "temperature": 0.5}
     assert post(server, body)[0] == 200
     assert post(server, {"messages": FRANCE, "model": "nope"})[0] == 404
     turns, errors, first_tokens = (
-        metric(server, s) - b for s, b in zip(series, before, strict=True)
+        server.metric(name, **labels) - b for (name, labels), b in zip(series, before, strict=True)
     )
     assert turns == 2  # two samples, each cut at max_tokens
     assert errors == 1
