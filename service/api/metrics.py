@@ -1,15 +1,26 @@
 """Prometheus metrics, named as people already graph them (vLLM's names, pagechat_ prefix).
 
-Engine figures (pools, prefix cache, swaps, preemptions, queues) are read from the engine's
-latest stats snapshot at scrape time, so nothing is counted twice. Latencies and connections
-are observed by the API layer as they happen.
+Engine figures (pools, prefix cache, swaps, preemptions, queues, tokens) are read from the
+engine's latest stats snapshot at scrape time, so nothing is counted twice. Latencies and
+connections are observed by the API layer as they happen. Every pagechat_ series carries a
+`model_name` label (the served model name, as vLLM's carry theirs), so dashboards that filter
+by model work unchanged; the process_ and python_ series are prometheus_client's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -79,6 +90,10 @@ class _EngineCollector(Collector):
         yield _gauge("pagechat_num_requests_running", "Requests running.", s.num_running)
         yield _gauge("pagechat_num_requests_swapped", "Requests swapped out.", s.num_swapped)
         yield _counter(
+            "pagechat_prompt_tokens", "Prompt tokens of every answer, cached or not.",
+            s.prompt_tokens,
+        )  # fmt: skip
+        yield _counter(
             "pagechat_prompt_tokens_computed", "Prompt tokens computed (not cached).",
             s.prompt_tokens_computed,
         )  # fmt: skip
@@ -93,10 +108,37 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-class Metrics:
-    """One registry per server (not the process-global one), so servers and tests coexist."""
+class _ModelNamed:
+    """A registry's families with `model_name` added to every pagechat_ sample.
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    prometheus_client has no constant labels (the Go client's ConstLabels); adding the label
+    at scrape time keeps every observation site unaware of it, and the name is known only once
+    the model is loaded, after the metrics exist.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str]) -> None:
+        self._registry = registry
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        name = self._model_name()
+        for family in self._registry.collect():
+            if family.name.startswith("pagechat_"):
+                family.samples = [
+                    s._replace(labels={"model_name": name, **s.labels}) for s in family.samples
+                ]
+            yield family
+
+
+class Metrics:
+    """One registry per server (not the process-global one), so servers and tests coexist.
+
+    `model_name`: the name the server answers to (the first --served-model-name), read at
+    each scrape."""
+
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats], model_name: Callable[[], str]
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -148,6 +190,13 @@ class Metrics:
             "pagechat_sessions_opened", "Sessions created or resumed.", ["how"], registry=r
         )
         r.register(_EngineCollector(engine_stats))
+        # The process's memory, CPU time and open files, the interpreter and its GC, under
+        # the names every exporter gives them (process_resident_memory_bytes, ...), as the
+        # default registry (which this one replaces) would have them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self._exposed = _ModelNamed(r, model_name)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from service.api.openai_completions import CompletionRequest
 from service.api.openai_errors import OpenAIError, invalid
-from service.api.openai_request import ChatCompletionRequest
+from service.api.openai_request import ChatCompletionRequest, StreamOptions
 from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
@@ -120,12 +120,15 @@ class Answer:
 
     async def events(self) -> AsyncIterator[bytes]:
         """SSE events: (chat) a role delta per choice, then text deltas, finish reasons, the
-        usage if asked for, [DONE]."""
+        usage if asked for, [DONE]. With vLLM's continuous_usage_stats every chunk carries
+        the usage so far too."""
+        options = self.req.stream_options or StreamOptions()
+        final_usage = bool(options.include_usage)
+        every_chunk = final_usage and bool(options.continuous_usage_stats)
         for i in range(self.params.n if self.chat else 0):
             role = {"role": "assistant", "content": ""}
-            yield self._chunk(
-                [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
-            )
+            choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            yield self._chunk([choice], every_chunk)
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
@@ -134,13 +137,12 @@ class Answer:
                     logprobs = self._logprobs(out)
                     if out.new_text or reason or logprobs:
                         choice = self._choice(out.index, out.new_text, logprobs, reason)
-                        yield self._chunk([choice])
+                        yield self._chunk([choice], every_chunk)
         except (RequestError, EngineDeadError) as exc:
             yield _event(_failure(exc).body())
             return
-        options = self.req.stream_options
-        if options is not None and options.include_usage:
-            yield self._chunk([], usage=self.usage())
+        if final_usage:
+            yield self._chunk([], with_usage=True)
         yield b"data: [DONE]\n\n"
 
     def _choice(
@@ -209,15 +211,16 @@ class Answer:
             metrics.inter_token_latency.observe(now - self._last_token_at)
         self._last_token_at = now
 
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        chunk = {
+    def _chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> bytes:
+        chunk: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            **extra,
         }
+        if with_usage:
+            chunk["usage"] = self.usage()
         return _event(chunk)
 
 

@@ -60,6 +60,7 @@ class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, in every chunk
     include_obfuscation: bool | None = None  # ignored: no padding is ever sent
 
 

@@ -43,7 +43,7 @@ class ChatService:
         self.gate = Gate.from_config(config)  # API keys, origins, the failed-attempt limiter
         self._chat_format: ChatFormat | None = None
         self._embedded: EmbeddedRedis | None = None
-        self.metrics = Metrics(lambda: self.engine.stats())
+        self.metrics = Metrics(lambda: self.engine.stats(), lambda: self.served_model_names[0])
         self.lag = LoopLagMonitor(
             config.lag_interval_s, observe=self.metrics.event_loop_lag.observe
         )
@@ -103,6 +103,12 @@ class ChatService:
     @property
     def model_id(self) -> str:
         return self.engine.engine.model_id
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The model names this server answers to (--served-model-name; else the model's id),
+        the first the one it reports (/v1/models, the metrics' model_name)."""
+        return self.config.served_model_names or (self.model_id,)
 
     @property
     def namespace(self) -> str:

@@ -54,6 +54,7 @@ class SessionStats(msgspec.Struct, kw_only=True):
 
 class EngineCounters(msgspec.Struct, kw_only=True):
     steps: int
+    prompt_tokens: int  # every answer's prompt, cached or not
     prompt_tokens_computed: int
     tokens_generated: int
     step_overhead_share: float  # share of step time outside the model forward
@@ -116,6 +117,7 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
         ),
         engine=EngineCounters(
             steps=s.steps,
+            prompt_tokens=s.prompt_tokens,
             prompt_tokens_computed=s.prompt_tokens_computed,
             tokens_generated=s.tokens_generated,
             step_overhead_share=s.timing.overhead_share,

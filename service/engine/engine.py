@@ -87,6 +87,9 @@ class EngineStats:
     preemptions_swap: int
     preemptions_recompute: int
     steps: int
+    # Every answered request's prompt, once, cached or not (vLLM's prompt_tokens); not those
+    # of prefill-only requests (max_tokens 0), which only fill the cache.
+    prompt_tokens: int
     prompt_tokens_computed: int
     tokens_generated: int
     timing: StepTiming
@@ -185,6 +188,7 @@ class LLMEngine:
         self.sampler = Sampler(device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._steps = 0
+        self._prompt_tokens = 0
         self._prompt_tokens_computed = 0
         self._tokens_generated = 0
         self._timing = StepTiming()
@@ -228,6 +232,8 @@ class LLMEngine:
         request.stop_checkers[0] = StopChecker(self.tokenizer, params)
         self._requests[request_id] = request
         self.scheduler.add(seq)
+        if params.max_tokens > 0:  # a prefill-only request fills the cache; nobody asked it
+            self._prompt_tokens += len(prompt_token_ids)
 
     def block_hashes(self, token_ids: list[int], scope: CacheScope | None = None) -> list[int]:
         """The chain hashes this engine gives the full blocks of `token_ids` in `scope`
@@ -320,6 +326,7 @@ class LLMEngine:
             preemptions_swap=sched.counters.preemptions_swap,
             preemptions_recompute=sched.counters.preemptions_recompute,
             steps=self._steps,
+            prompt_tokens=self._prompt_tokens,
             prompt_tokens_computed=self._prompt_tokens_computed,
             tokens_generated=self._tokens_generated,
             timing=dataclasses.replace(self._timing),

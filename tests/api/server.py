@@ -25,6 +25,8 @@ from typing import Any, cast
 
 import msgspec
 import redis
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.sessions.models import Message, PageMap
 
@@ -57,6 +59,22 @@ class ServerProcess:
         except urllib.error.HTTPError as exc:
             with exc:  # an unclosed error response leaks its socket
                 return exc.code, exc.read()
+
+    def metrics(self) -> dict[str, Metric]:
+        """/metrics as a scraper reads it (prometheus_client's parser): families by name."""
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+    def metric(self, sample: str, **labels: str) -> float:
+        """The sum of the samples named `sample` (e.g. 'pagechat_turns_total') whose labels
+        include `labels`; 0 when there are none yet."""
+        return sum(
+            s.value
+            for family in self.metrics().values()
+            for s in family.samples
+            if s.name == sample and labels.items() <= s.labels.items()
+        )
 
     def stats(self, lag_window_s: float = 60.0) -> dict[str, Any]:
         status, body = self.get(f"/v1/stats?lag_window_s={lag_window_s}")

@@ -196,6 +196,21 @@ def test_a_stream_sends_the_role_then_deltas_then_the_finish_usage_and_done(
     assert usage["choices"] == [] and 1 <= usage["usage"]["completion_tokens"] <= 6
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: ServerProcess) -> None:
+    """vLLM's stream_options.continuous_usage_stats, as vLLM's own clients send it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": FRANCE, "max_tokens": 5, "n": 2, "ignore_eos": True}
+    chunks = [json.loads(e) for e in stream(server, {**body, "stream_options": options})[:-1]]
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 2 * 5
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    assert chunks[-1]["choices"] == []  # the final usage chunk, as without the option
+    # Without include_usage it asks for nothing, as in vLLM.
+    alone = stream(server, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in json.loads(e) for e in alone[:-1])
+
+
 def test_logprobs_come_per_token_with_the_top_alternatives(server: ServerProcess) -> None:
     body = {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "logprobs": True}
     status, result = post(server, {**body, "top_logprobs": 3})
@@ -348,28 +363,18 @@ async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: Server
     assert (await first)[-1] == "[DONE]"
 
 
-def metric(server: ServerProcess, series: str) -> float:
-    """One series of /metrics, e.g. 'pagechat_turns_total{finish_reason="stop"}' (0 if absent)."""
-    status, body = server.get("/metrics")
-    assert status == 200
-    for line in body.decode().splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_answers_and_refusals_are_counted_in_the_metrics(server: ServerProcess) -> None:
     series = (
-        'pagechat_turns_total{finish_reason="length"}',
-        'pagechat_errors_total{code="model_not_found"}',
-        "pagechat_time_to_first_token_seconds_count",
+        ("pagechat_turns_total", {"finish_reason": "length", "model_name": NAMES[0]}),
+        ("pagechat_errors_total", {"code": "model_not_found"}),
+        ("pagechat_time_to_first_token_seconds_count", {}),
     )
-    before = [metric(server, s) for s in series]
+    before = [server.metric(name, **labels) for name, labels in series]
     body = {"messages": FRANCE, "max_tokens": 2, "n": 2, "seed": 1, "temperature": 0.5}
     assert post(server, body)[0] == 200
     assert post(server, {"messages": FRANCE, "model": "nope"})[0] == 404
     turns, errors, first_tokens = (
-        metric(server, s) - b for s, b in zip(series, before, strict=True)
+        server.metric(name, **labels) - b for (name, labels), b in zip(series, before, strict=True)
     )
     assert turns == 2  # two samples, each cut at max_tokens
     assert errors == 1

@@ -4,16 +4,22 @@ field of OpenAI's schema is honoured, ignored or refused by name, and null means
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from starlette.requests import Request
 
 from service.api.config import Limits
 from service.api.openai import http_error
+from service.api.openai_completions import CompletionRequest
 from service.api.openai_request import (
     ChatCompletionRequest,
+    ChatMessageIn,
     OpenAIError,
+    StreamOptions,
     decode_request,
     render_prompt,
     sampling_params,
@@ -22,6 +28,7 @@ from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 from tests.tiny_model import gguf_tokenizer
 
+PROTOCOL_MD = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 SERVED = ("smol@1", "smol")
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -302,3 +309,38 @@ async def test_an_uncaught_error_under_v1_is_a_500_in_openais_shape() -> None:
     assert "boom" not in error["message"]  # nothing of the server's insides
     plain = await http_error(request("/health"), RuntimeError("boom"))
     assert (plain.status_code, plain.media_type) == (500, "text/plain")
+
+
+def openai_section_rows() -> dict[str, str]:
+    """docs/protocol.md's OpenAI section: each field its table names (first column, in
+    backticks) -> what the row says of it; and the whole section under the key ''."""
+    text = PROTOCOL_MD.read_text()
+    section = text[text.index("## OpenAI-compatible HTTP") :]
+    rows = {"": section}
+    for line in section.splitlines():
+        if line.startswith("| ") and not line.startswith("| field"):
+            first, verdict = line.strip("|").split("|", 1)
+            for name in re.findall(r"`([a-z_.]+)`", first):
+                rows[name] = verdict
+    return rows
+
+
+def field_names(struct: type[msgspec.Struct]) -> list[str]:
+    return [f.name for f in msgspec.structs.fields(struct)]
+
+
+def test_the_docs_say_of_every_request_field_whether_it_is_honoured_ignored_or_refused() -> None:
+    rows = openai_section_rows()
+    verdicts = ("honoured", "ignored", "refused", "accepted")
+    for name in field_names(ChatCompletionRequest):
+        if name != "stream_options":
+            assert name in rows, f"docs/protocol.md does not list {name}"
+            assert any(v in rows[name] for v in verdicts), name
+    for name in field_names(StreamOptions):
+        assert f"stream_options.{name}" in rows, name
+    for name in field_names(ChatMessageIn):  # the messages row says what of a message is read
+        assert f"`{name}`" in rows["messages"], f"the messages row does not name {name}"
+    for name in field_names(CompletionRequest):  # the chat table's, or the text's own
+        in_table = name in rows or any(row.startswith(f"{name}.") for row in rows)
+        named = re.search(rf"`{name}[`:]", rows[""])  # `suffix`, `echo: true`
+        assert in_table or named, f"/v1/completions' {name}"

@@ -79,8 +79,9 @@ def test_prompts_sharing_a_prefix_sent_at_once_compute_it_once(
     stats = engine.stats()
     assert stats.steps == 8, "all four prompts were admitted in the first step"
     assert stats.blocks.prefix_hits == 3 * 64
-    unshared = sum(len(p) for p in prompts.values()) - 3 * 64
-    assert stats.prompt_tokens_computed == unshared
+    total = sum(len(p) for p in prompts.values())
+    assert stats.prompt_tokens == total  # every prompt token, the shared ones included
+    assert stats.prompt_tokens_computed == total - 3 * 64
     assert_same_greedy(run_alone(make_engine, prompts, max_tokens=8), batched)
 
 
@@ -239,9 +240,11 @@ def test_prefill_only_request_caches_the_whole_prompt(make_engine: EngineFactory
     stats = engine.stats()
     assert stats.blocks.device.cached == 3 and stats.tokens_generated == 0
     assert stats.blocks.prefix_queries == 0, "cache completion is not counted as user traffic"
+    assert stats.prompt_tokens == 0
     # A conversation that continues the prompt finds all three blocks, the last one included.
     run(engine, {"next": [*prompt, 300, 301]}, greedy(2))
     assert engine.stats().blocks.prefix_hits == 48
+    assert engine.stats().prompt_tokens == 50  # an answer's prompt counts, cached or not
 
 
 def test_parallel_samples_never_exceed_max_num_seqs(make_engine: EngineFactory) -> None:

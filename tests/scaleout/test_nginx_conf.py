@@ -46,6 +46,21 @@ def test_compose_mounts_that_config_and_runs_the_replicas_it_routes_to() -> None
     assert len(replica_ids) == len(COMPOSE_UPSTREAMS)  # page maps can tell owners apart
 
 
+def test_compose_publishes_each_replica_on_loopback_for_scraping_as_deploy_md_says() -> None:
+    """Through nginx, /metrics reaches a random replica: each must be scrapable itself."""
+    services = compose()["services"]
+    deploy_md = (REPO / "docs" / "deploy.md").read_text()
+    published = set()
+    for upstream in COMPOSE_UPSTREAMS:
+        host, port = upstream.split(":")
+        [mapping] = services[host]["ports"]
+        address, host_port, container_port = mapping.split(":")
+        assert (address, container_port) == ("127.0.0.1", port), mapping  # loopback only
+        assert f"`127.0.0.1:{host_port}`" in deploy_md and f'"127.0.0.1:{host_port}"' in deploy_md
+        published.add(host_port)
+    assert len(published) == len(COMPOSE_UPSTREAMS)
+
+
 def test_routing_is_a_consistent_hash_on_the_session_argument_with_upgrade_headers() -> None:
     conf = render(["127.0.0.1:1", "127.0.0.1:2"], 80)
     assert "hash $pagechat_route consistent;" in conf
