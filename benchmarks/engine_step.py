@@ -9,7 +9,7 @@ detokenizing and stop checks). One engine per format, all loaded at once; each b
 every format in turn, so a neighbour's load on a shared machine falls on all of them alike.
 
     .venv/bin/python -m benchmarks.engine_step [--weights fp32 bf16 int8 int4]
-        [--batch 1 4 8 32 64] [--steps 20] [--dtype auto]
+        [--batch 1 4 8 32 64] [--steps 20] [--dtype auto] [--threads 1 2]
 """
 
 from __future__ import annotations
@@ -122,32 +122,43 @@ def main() -> int:
     parser.add_argument(
         "--kv-cache-mb", type=int, default=2048, help="room for every sequence: no preemption"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="torch thread counts, each format run with each, side by side",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args()
 
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
     for weights in args.weights:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            weights=weights,
-            max_num_seqs=max(args.batch),
-            max_model_len=1024,
-            kv_cache_mb=args.kv_cache_mb,
-        )
-        engine = LLMEngine(config)
-        engines[weights] = (engine, MatmulClock(engine.runner.model))
+        for threads in args.threads:
+            config = EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                weights=weights,
+                max_num_seqs=max(args.batch),
+                max_model_len=1024,
+                kv_cache_mb=args.kv_cache_mb,
+                num_threads=threads,
+            )
+            engine = LLMEngine(config)  # its crossover trial runs at `threads`
+            name = weights if len(args.threads) == 1 else f"{weights} {threads}t"
+            engines[name] = (engine, MatmulClock(engine.runner.model))
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in engines}
     for b in args.batch:
-        for weights, (engine, clock) in engines.items():
-            rows[weights].append(measure(engine, clock, b, args.steps, args.prompt_len, seed=b))
+        for name, (engine, clock) in engines.items():
+            torch.set_num_threads(engine.config.num_threads)
+            rows[name].append(measure(engine, clock, b, args.steps, args.prompt_len, seed=b))
     for engine, _ in engines.values():
         engine.check_balanced()
 
     first = next(iter(engines.values()))[0]
     print(
         f"engine_step: {first.model_id}, {dtype_name(first.activation_dtype)} activations, "
-        f"{torch.get_num_threads()} torch thread(s), {args.steps} decode steps, "
+        f"torch threads {' and '.join(map(str, args.threads))}, {args.steps} decode steps, "
         f"~{args.prompt_len}-token prompts"
     )
     for weights, (engine, _) in engines.items():

@@ -383,7 +383,6 @@ def pick_max_packed_tokens(times: Mapping[int, tuple[float, float]]) -> int:
     return best
 
 
-@functools.cache
 def measured_max_packed_tokens(bits: int, dense_dtype: torch.dtype = KERNEL_DTYPE) -> int:
     """Time one decoder layer's four matmuls of the default model, the packed kernel (`bits`)
     against the dense path (dequantize to `dense_dtype`, then its GEMM; fp32 input as the
@@ -392,6 +391,12 @@ def measured_max_packed_tokens(bits: int, dense_dtype: torch.dtype = KERNEL_DTYP
     packed kernel takes every size."""
     if native.library() is None:
         return NO_CROSSOVER
+    return _measured_crossover(bits, dense_dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _measured_crossover(bits: int, dense_dtype: torch.dtype, threads: int) -> int:
+    # Once per process and thread count: two threads move the crossover.
     return pick_max_packed_tokens(crossover_trial(bits, dense_dtype))
 
 
@@ -409,12 +414,16 @@ def crossover_trial(bits: int, dense_dtype: torch.dtype) -> dict[int, tuple[floa
     return {rows: _race(rows, packed, dense) for rows in TRIAL_ROWS}
 
 
-@functools.cache
 def packed_decode_pays(bits: int, dense_dtype: torch.dtype) -> bool:
     """Whether a decode step of one sequence runs one decoder layer's matmuls 20% faster
     through the packed kernel than over dense `dense_dtype` weights: what `weights auto`
     asks before serving a checkpoint's 4-bit weights packed. The same 20% rule as the
     dtype trial (`config.pick_cpu_dtypes`): a small gain is not worth a new format."""
+    return _packed_decode_pays(bits, dense_dtype, torch.get_num_threads())
+
+
+@functools.cache
+def _packed_decode_pays(bits: int, dense_dtype: torch.dtype, threads: int) -> bool:
     weights = _trial_weights()
     quantize = quantize_int4 if bits == 4 else quantize_int8
     cpu = torch.device("cpu")
