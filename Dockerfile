@@ -2,12 +2,23 @@
 # (embedded Redis under /data), or with PAGECHAT_REDIS_URL set (docker-compose.yml).
 # The default target is the runtime image: requirements.lock only, no test or load-test tool.
 # `--target loadtest` adds Locust and loadtest/ on top (docker-compose.yml's Locust services).
+# The native dequantizer (service/engine/dequant.c), built where a compiler is, for any
+# x86-64-v3 CPU (AVX2 and FMA): the runtime image has no compiler to build it at start-up.
+FROM python:3.11-slim-bookworm AS native
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY service/engine/dequant.c /src/
+RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -o /src/libpagechat_dequant.so \
+    /src/dequant.c
+
 FROM python:3.11-slim-bookworm AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    OMP_NUM_THREADS=1
+    OMP_NUM_THREADS=1 \
+    PAGECHAT_NATIVE_LIB=/opt/pagechat/libpagechat_dequant.so
+COPY --from=native /src/libpagechat_dequant.so /opt/pagechat/
 
 WORKDIR /app
 

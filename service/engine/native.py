@@ -54,6 +54,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def build_command(compiler: str, target: str, march: str = "native") -> list[str]:
+    """How dequant.c is compiled: here for this CPU, or by the Dockerfile for a baseline."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
+    return [compiler, *flags, "-o", target, str(SOURCE)]
+
+
 def _build(compiler: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
@@ -68,7 +74,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(SOURCE)],
+            build_command(compiler, tmp),
             check=True,
             capture_output=True,
             timeout=120,
@@ -81,13 +87,17 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (logged once) where it cannot be built or fails the probe."""
+    """The built library, or None (logged once) where it cannot be built or fails the probe.
+
+    $PAGECHAT_NATIVE_LIB names a library built beforehand (the Docker image builds one for
+    x86-64-v3 CPUs, AVX2 and FMA, in a stage with a compiler): it is loaded as it is."""
+    prebuilt = os.environ.get("PAGECHAT_NATIVE_LIB")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    if prebuilt is None and compiler is None:
         log.warning("no C compiler: packed weights run their packed kernel at every batch size")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(prebuilt or str(_build(compiler or "cc")))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         log.warning("could not build %s (%s %s)", SOURCE.name, exc, detail.decode()[-500:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,32 @@ def test_the_int8_matrix_vector_product_stays_in_fp32(rows: int) -> None:
     assert bool(((y.double() - want).abs() <= bound).all())
     with pytest.raises(ValueError, match="input"):
         native.int8_gemv(x.bfloat16(), q, scales)
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
+    reason="the image's baseline library is for x86-64-v3 (AVX2, FMA) CPUs",
+)
+def test_a_library_built_beforehand_is_loaded_without_a_compiler(tmp_path: Path) -> None:
+    """What the Dockerfile does: build for x86-64-v3 in a stage with gcc, run without one."""
+    target = tmp_path / "libpagechat_dequant.so"
+    subprocess.run(native.build_command("cc", str(target), march="x86-64-v3"), check=True)
+    code = "from service.engine import native; print(native.library() is not None)"
+    env = {
+        **os.environ,
+        "PAGECHAT_NATIVE_LIB": str(target),
+        "CC": str(tmp_path / "no-cc"),
+        "PAGECHAT_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True)
+    assert out.stdout.decode().strip() == "True", out.stderr.decode()
+    assert not (tmp_path / "cache").exists()  # nothing was built
+
+
+def test_the_dockerfile_builds_the_library_as_native_py_would() -> None:
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    line = next(part for part in text.splitlines() if "dequant.c" in part and "gcc" in part)
+    command = line.split("RUN", 1)[1].split()
+    want = native.build_command("gcc", "/src/libpagechat_dequant.so", march="x86-64-v3")
+    assert command[:-1] == want[:-1]  # the same flags; the source path is the image's
+    assert command[-1].endswith("dequant.c")
