@@ -290,11 +290,26 @@ def bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median"))
 
 
-def copy_bandwidth(report: Report, device: torch.device) -> float:
-    src = torch.empty(2 * GiB, dtype=torch.uint8, device=device)
+def measure_copy(device: torch.device, nbytes: int = 2 * GiB) -> tuple[float, float]:
+    """Milliseconds of one device-to-device copy of `nbytes`, and GB/s counting the bytes
+    read and written: the memory-bound ceiling. On the CPU, wall time of a few copies (the
+    median), for runs that only exercise the code."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    bw = 2 * src.numel() / ms / 1e6  # GB/s, read + write
+    if device.type == "cuda":
+        ms = bench(lambda: dst.copy_(src))
+    else:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(1000 * (time.perf_counter() - start))
+        ms = sorted(times)[len(times) // 2]
+    return ms, 2 * nbytes / ms / 1e6
+
+
+def copy_bandwidth(report: Report, device: torch.device) -> float:
+    ms, bw = measure_copy(device)
     props = torch.cuda.get_device_properties(device)
     report.say(
         f"Device: {props.name}, {props.multi_processor_count} SMs, L2 {_l2(device) >> 20} MiB; "
