@@ -245,6 +245,8 @@ def synthetic_main(args: argparse.Namespace) -> int:
     probe = EngineConfig(dtype=args.dtype)
     device, dtype = probe.torch_device(), probe.torch_dtype()
     copy_ms, copy_gbps = measure_copy(device, (2 << 30) if device.type == "cuda" else (256 << 20))
+    # Row by row as measured, so a run cut short still reports what it timed.
+    _print_header(device, dtype, copy_ms, copy_gbps, args)
     rows: list[dict[str, Any]] = []
     for shape in args.synthetic:
         loaded = build(shape, device=device, dtype=dtype)
@@ -272,13 +274,13 @@ def synthetic_main(args: argparse.Namespace) -> int:
                     "weight_kv_bound_ms": (weight_bytes + kv_bytes) / copy_gbps / 1e6,
                 }
                 rows.append(r)
-                print(f"{shape}, graphs {graphs}, batch {b}: {r['step_ms']:.2f} ms", flush=True)
+                _print_row(r)
             engine.check_balanced()
             del engine
             _release(device)
         del loaded
         _release(device)
-    _print_synthetic(rows, device, dtype, copy_ms, copy_gbps, args)
+    print()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows}, indent=1))
@@ -327,8 +329,7 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _print_synthetic(
-    rows: list[dict[str, Any]],
+def _print_header(
     device: torch.device,
     dtype: torch.dtype,
     copy_ms: float,
@@ -348,16 +349,18 @@ def _print_synthetic(
         "| shape | graphs | decode path | batch | tokens/s | step ms | forward ms | outside "
         "forward | weight bound ms | step / bound | weights+KV bound ms | start-up s |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['shape']} | {r['graphs']} | {r['decode_path']} | {r['batch']} | "
-            f"{r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
-            f"{100 * r['overhead_share']:.1f}% | {r['weight_bound_ms']:.3f} | "
-            f"{r['step_ms'] / r['weight_bound_ms']:.2f}x | {r['weight_kv_bound_ms']:.3f} | "
-            f"{r['startup_s']:.1f} |"
-        )
-    print()
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(
+        f"| {r['shape']} | {r['graphs']} | {r['decode_path']} | {r['batch']} | "
+        f"{r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
+        f"{100 * r['overhead_share']:.1f}% | {r['weight_bound_ms']:.3f} | "
+        f"{r['step_ms'] / r['weight_bound_ms']:.2f}x | {r['weight_kv_bound_ms']:.3f} | "
+        f"{r['startup_s']:.1f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

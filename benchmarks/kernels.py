@@ -19,7 +19,7 @@ decode batch of the issue's target, 64 x 4096, and two others, each next to SDPA
 on a borrowed GPU says which to make the default.
 Without CUDA it says so and runs the correctness part at small sizes under the interpreter.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep]
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep | --sweep-only]
 
 Imports only torch, triton and the standard library (the GPU image has nothing else).
 """
@@ -773,12 +773,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep", action="store_true", help="also time a grid of launch configurations"
     )
+    parser.add_argument(
+        "--sweep-only", action="store_true", help="only the grid (after a run without --sweep)"
+    )
     args = parser.parse_args(argv)
     report = Report(args.out)
     started = time.perf_counter()
     report.say("# Triton kernels: correctness and timings")
     report.say()
-    if torch.cuda.is_available():
+    if args.sweep_only and not torch.cuda.is_available():
+        report.say("No CUDA device: no sweep.")
+    elif args.sweep_only:
+        device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        section(report, sweep_launches, report, device, copy_bandwidth(report, device))
+    elif torch.cuda.is_available():
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False
         sizes = QUICK if args.quick else FULL

@@ -278,9 +278,14 @@ class CudaDecodeGraphs(DecodeGraphs):
         size = padding.size
         inputs = self.capture_inputs(size)
         self._check_plan_reads_buffers(inputs)
-        # Warm-up outside the graph: Triton compiles, cuBLAS picks its kernels, and the plan
-        # allocates its split-KV scratch, none of which may happen during a capture.
-        self.runner.forward(inputs)
+        # Warm-up outside the graph, on a side stream as torch's capture recipe has it: Triton
+        # compiles, cuBLAS picks its kernels, and the plan allocates its split-KV scratch,
+        # none of which may happen during a capture.
+        side = torch.cuda.Stream(self.runner.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(side):
+            self.runner.forward(inputs)
+        torch.cuda.current_stream(self.runner.device).wait_stream(side)
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
