@@ -293,7 +293,7 @@ def _synthetic_engine(loaded: LoadedModel, args: argparse.Namespace, graphs: boo
     # Room for every sequence's prompt and every step's token: no preemption.
     per_seq = -(-(args.prompt_len + args.steps + 3) // block_size)
     config = EngineConfig(
-        device=str(loaded.model.embed_tokens.weight.device),
+        device=str(next(loaded.model.parameters()).device),
         max_num_seqs=max_batch,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_batch),

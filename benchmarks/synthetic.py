@@ -169,8 +169,7 @@ def weight_read_bytes(model: LlamaModel) -> int:
     embedding, of which a step reads only its batch's rows (a tied one is the LM head)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
-        embedding = model.embed_tokens.weight
-        total -= embedding.numel() * embedding.element_size()
+        total -= sum(p.numel() * p.element_size() for p in model.embed_tokens.parameters())
     return total
 
 
