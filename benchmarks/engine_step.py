@@ -10,14 +10,29 @@ every format in turn, so a neighbour's load on a shared machine falls on all of 
 
     .venv/bin/python -m benchmarks.engine_step [--weights fp32 bf16 int8 int4]
         [--batch 1 4 8 32 64] [--steps 20] [--dtype auto] [--threads 1 2]
+
+With --synthetic SHAPE... the models are benchmarks/synthetic.py's, random weights of real
+shapes built on the device (bf16 on CUDA), and each shape runs with CUDA graphs on and off
+(--cuda-graphs on off) in place of the weight formats. Then the step time is set against the
+weight-read bound: the bytes of weights a decode step reads over the device's measured copy
+bandwidth (and the same with the step's K/V bytes added). On CUDA the benchmark synchronizes
+after each forward, so the forward's share is the device's time and not only its launches.
+Without CUDA, "on" runs the same static buffers and padding eagerly (EagerDecodeGraphs), so a
+CPU run exercises the path; its figures mean nothing for a GPU.
+
+    python -m benchmarks.engine_step --synthetic smollm2-135m llama-3.2-1b llama-3-8b \
+        --batch 1 8 64 256 --steps 20 --prompt-len 128 --json results/engine_step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import math
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +43,18 @@ import torch
 from torch import nn
 
 from service.engine.config import EngineConfig, dtype_name
+from service.engine.cuda_graphs import (
+    CudaDecodeGraphs,
+    EagerDecodeGraphs,
+    StepRunner,
+    graph_batch_sizes,
+)
 from service.engine.engine import LLMEngine, StepTiming
+from service.engine.loader import LoadedModel
 from service.engine.model import Linear, LlamaModel
 from service.engine.params import SamplingParams
 from service.engine.quant import QuantLinear
+from service.engine.scheduler import StepBatch
 
 
 class MatmulClock:
@@ -63,8 +86,30 @@ class MatmulClock:
         self.seconds += time.perf_counter() - self._start
 
 
+class SyncedForward:
+    """The engine's step runner, synchronizing with the device after each forward so that
+    `StepTiming.forward` holds the device's time, not only the launches (CUDA is async)."""
+
+    def __init__(self, inner: StepRunner, device: torch.device) -> None:
+        self.inner = inner
+        self.device = device
+
+    def prepare(self, batch: StepBatch) -> Any:
+        return self.inner.prepare(batch)
+
+    def execute(self, inputs: Any) -> torch.Tensor:
+        logits = self.inner.execute(inputs)
+        torch.cuda.synchronize(self.device)
+        return logits
+
+
 def measure(
-    engine: LLMEngine, clock: MatmulClock, batch: int, steps: int, prompt_len: int, seed: int
+    engine: LLMEngine,
+    clock: MatmulClock | None,
+    batch: int,
+    steps: int,
+    prompt_len: int,
+    seed: int,
 ) -> dict[str, float]:
     rng = random.Random(seed)
     # Long enough that no sequence finishes while the others are still prefilling.
@@ -79,13 +124,16 @@ def measure(
         engine.step()
     engine.step()
     before = engine.stats().timing
-    matmul_before = clock.seconds
+    # Context per sequence over the timed steps: where it starts, plus half of what they add.
+    mean_context = statistics.fmean(s.num_tokens for s in engine.scheduler.running)
+    mean_context += (steps - 1) / 2
+    matmul_before = clock.seconds if clock else 0.0
     generated = 0
     start = time.perf_counter()
     for _ in range(steps):
         generated += len(engine.step())
     elapsed = time.perf_counter() - start
-    matmuls = clock.seconds - matmul_before
+    matmuls = clock.seconds - matmul_before if clock else math.nan
     after = engine.stats().timing
     for i in range(batch):
         engine.abort(f"b{batch}-{i}")
@@ -98,6 +146,7 @@ def measure(
     return {
         "batch": batch,
         "decoded_per_step": generated / steps,
+        "mean_context": mean_context,
         "tokens_per_s": generated / elapsed,
         "step_ms": 1000 * elapsed / steps,
         "matmul_ms": 1000 * matmuls / steps,
@@ -111,7 +160,7 @@ def measure(
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", nargs="+", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
@@ -130,7 +179,14 @@ def main() -> int:
         help="torch thread counts, each format run with each, side by side",
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    args = parser.parse_args()
+    synthetic = parser.add_argument_group("synthetic models (benchmarks/synthetic.py)")
+    synthetic.add_argument("--synthetic", nargs="+", metavar="SHAPE", help="random-weight shapes")
+    synthetic.add_argument("--cuda-graphs", nargs="+", choices=["on", "off"], default=["on", "off"])
+    synthetic.add_argument("--max-model-len", type=int, default=4096, help="graphs plan for it")
+    synthetic.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    args = parser.parse_args(argv)
+    if args.synthetic:
+        return synthetic_main(args)
 
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
     for weights in args.weights:
@@ -190,6 +246,132 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def synthetic_main(args: argparse.Namespace) -> int:
+    """Each synthetic shape with graphs on and off, its steps against the weight-read bound."""
+    from benchmarks.kernels import measure_copy
+    from benchmarks.synthetic import build, weight_read_bytes
+
+    probe = EngineConfig(dtype=args.dtype)
+    device, dtype = probe.torch_device(), probe.torch_dtype()
+    copy_ms, copy_gbps = measure_copy(device, (2 << 30) if device.type == "cuda" else (256 << 20))
+    # Row by row as measured, so a run cut short still reports what it timed.
+    _print_header(device, dtype, copy_ms, copy_gbps, args)
+    rows: list[dict[str, Any]] = []
+    for shape in args.synthetic:
+        loaded = build(shape, device=device, dtype=dtype)
+        weight_bytes = weight_read_bytes(loaded.model)
+        a = loaded.args
+        kv_token_bytes = a.num_layers * 2 * a.kv_size * dtype.itemsize
+        for graphs in args.cuda_graphs:
+            start = time.perf_counter()
+            engine = _synthetic_engine(loaded, args, graphs == "on")
+            startup = time.perf_counter() - start
+            path = _decode_path(engine)
+            if device.type == "cuda":
+                engine.step_runner = SyncedForward(engine.step_runner, device)
+            for b in args.batch:
+                r: dict[str, Any] = measure(engine, None, b, args.steps, args.prompt_len, seed=b)
+                kv_bytes = b * r["mean_context"] * kv_token_bytes
+                r |= {
+                    "shape": shape,
+                    "graphs": graphs,
+                    "decode_path": path,
+                    "startup_s": startup,
+                    "weight_bytes": weight_bytes,
+                    "kv_bytes": kv_bytes,
+                    "weight_bound_ms": weight_bytes / copy_gbps / 1e6,
+                    "weight_kv_bound_ms": (weight_bytes + kv_bytes) / copy_gbps / 1e6,
+                }
+                rows.append(r)
+                _print_row(r)
+            engine.check_balanced()
+            del engine
+            _release(device)
+        del loaded
+        _release(device)
+    print()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"copy_gbps": copy_gbps, "rows": rows}, indent=1))
+    return 0
+
+
+def _synthetic_engine(loaded: LoadedModel, args: argparse.Namespace, graphs: bool) -> LLMEngine:
+    block_size = EngineConfig().block_size
+    max_batch = max(args.batch)
+    # Room for every sequence's prompt and every step's token: no preemption.
+    per_seq = -(-(args.prompt_len + args.steps + 3) // block_size)
+    config = EngineConfig(
+        device=str(next(loaded.model.parameters()).device),
+        max_num_seqs=max_batch,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, max_batch),
+        num_device_blocks=max_batch * per_seq,
+        num_cpu_blocks=0,
+        cuda_graphs=graphs,
+    )
+    engine = LLMEngine(config, loaded=loaded)
+    if graphs and engine.runner.device.type != "cuda":
+        # No CUDA: the same buffers and padding, run eagerly, so the path is exercised.
+        eager = EagerDecodeGraphs(
+            engine.runner,
+            sizes=graph_batch_sizes(config.max_num_seqs),
+            max_model_len=engine.max_model_len,
+        )
+        eager.capture()
+        engine.step_runner = eager
+    return engine
+
+
+def _decode_path(engine: LLMEngine) -> str:
+    runner = engine.step_runner
+    if isinstance(runner, CudaDecodeGraphs):
+        return f"CUDA graphs ({len(runner.sizes)} sizes)"
+    if isinstance(runner, EagerDecodeGraphs):
+        return "static buffers, eager (no CUDA)"
+    return "eager"
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _print_header(
+    device: torch.device,
+    dtype: torch.dtype,
+    copy_ms: float,
+    copy_gbps: float,
+    args: argparse.Namespace,
+) -> None:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"engine_step, synthetic models (RANDOM weights, benchmarks/synthetic.py): {where}, "
+        f"{dtype_name(dtype)}, torch {torch.__version__}; {args.steps} decode steps after "
+        f"~{args.prompt_len}-token prompts, max_model_len {args.max_model_len}. Copy "
+        f"bandwidth {copy_gbps:.0f} GB/s (read + write, {copy_ms:.2f} ms per copy); bound = "
+        f"bytes a step must read / that bandwidth."
+    )
+    print()
+    print(
+        "| shape | graphs | decode path | batch | tokens/s | step ms | forward ms | outside "
+        "forward | weight bound ms | step / bound | weights+KV bound ms | start-up s |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(
+        f"| {r['shape']} | {r['graphs']} | {r['decode_path']} | {r['batch']} | "
+        f"{r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | "
+        f"{100 * r['overhead_share']:.1f}% | {r['weight_bound_ms']:.3f} | "
+        f"{r['step_ms'] / r['weight_bound_ms']:.2f}x | {r['weight_kv_bound_ms']:.3f} | "
+        f"{r['startup_s']:.1f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

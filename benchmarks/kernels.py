@@ -19,7 +19,7 @@ decode batch of the issue's target, 64 x 4096, and two others, each next to SDPA
 on a borrowed GPU says which to make the default.
 Without CUDA it says so and runs the correctness part at small sizes under the interpreter.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep]
+    PYTHONPATH=. python3 benchmarks/kernels.py [--out kernels.md] [--quick] [--sweep | --sweep-only]
 
 Imports only torch, triton and the standard library (the GPU image has nothing else).
 """
@@ -290,11 +290,26 @@ def bench(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median"))
 
 
-def copy_bandwidth(report: Report, device: torch.device) -> float:
-    src = torch.empty(2 * GiB, dtype=torch.uint8, device=device)
+def measure_copy(device: torch.device, nbytes: int = 2 * GiB) -> tuple[float, float]:
+    """Milliseconds of one device-to-device copy of `nbytes`, and GB/s counting the bytes
+    read and written: the memory-bound ceiling. On the CPU, wall time of a few copies (the
+    median), for runs that only exercise the code."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    bw = 2 * src.numel() / ms / 1e6  # GB/s, read + write
+    if device.type == "cuda":
+        ms = bench(lambda: dst.copy_(src))
+    else:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(1000 * (time.perf_counter() - start))
+        ms = sorted(times)[len(times) // 2]
+    return ms, 2 * nbytes / ms / 1e6
+
+
+def copy_bandwidth(report: Report, device: torch.device) -> float:
+    ms, bw = measure_copy(device)
     props = torch.cuda.get_device_properties(device)
     report.say(
         f"Device: {props.name}, {props.multi_processor_count} SMs, L2 {_l2(device) >> 20} MiB; "
@@ -758,12 +773,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep", action="store_true", help="also time a grid of launch configurations"
     )
+    parser.add_argument(
+        "--sweep-only", action="store_true", help="only the grid (after a run without --sweep)"
+    )
     args = parser.parse_args(argv)
     report = Report(args.out)
     started = time.perf_counter()
     report.say("# Triton kernels: correctness and timings")
     report.say()
-    if torch.cuda.is_available():
+    if args.sweep_only and not torch.cuda.is_available():
+        report.say("No CUDA device: no sweep.")
+    elif args.sweep_only:
+        device = torch.device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        section(report, sweep_launches, report, device, copy_bandwidth(report, device))
+    elif torch.cuda.is_available():
         device = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False
         sizes = QUICK if args.quick else FULL

@@ -13,8 +13,9 @@ resume  A returning user's turn with a ~1,000-token history: time to first token
     .venv/bin/python -m benchmarks.serve resume --dtype float32     # always spawns servers
 
 Without --url, `load` starts `pagechat serve` itself (embedded Redis in a temporary directory);
---dtype and --server-arg pass settings to it. Results are printed as a table and, with --json,
-written as JSON.
+--dtype and --server-arg pass settings to it; with --synthetic SHAPE the server runs a
+random-weight model of that shape built on its device (benchmarks/synthetic.py: timings only,
+its answers mean nothing). Results are printed as a table and, with --json, written as JSON.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ _WORDS = ["apple", "river", "stone", "cloud", "seven", "table", "music", "green"
 
 
 class Server:
-    """`pagechat serve` in a subprocess on a free loopback port."""
+    """`pagechat serve` in a subprocess on a free loopback port; with `synthetic`, over a
+    random-weight model of that shape (benchmarks/synthetic.py)."""
 
-    def __init__(self, log: Path, args: list[str]) -> None:
+    def __init__(self, log: Path, args: list[str], synthetic: str | None = None) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *args]
+        serve = ["service.cli", "serve"]
+        if synthetic is not None:
+            serve = ["benchmarks.synthetic", "serve", "--shape", synthetic]
+        command = [sys.executable, "-m", *serve, "--port", "0", *args]
         self.log = log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -282,6 +287,7 @@ def main() -> int:
     ld.add_argument("--url", help="a running server's ws://.../v1/chat (default: spawn one)")
     ld.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32, 64])
     ld.add_argument("--max-tokens", type=int, default=32)
+    ld.add_argument("--synthetic", metavar="SHAPE", help="serve a random-weight model")
     rs = sub.add_parser("resume", help="TTFT of a returning user: cached, swapped, recomputed")
     rs.add_argument("--history-words", type=int, default=960, help="~1,000 tokens of history")
     rs.add_argument("--repeats", type=int, default=3)
@@ -300,6 +306,7 @@ def main() -> int:
                 server = Server(
                     Path(tmp) / "server.log",
                     ["--data-dir", f"{tmp}/data", "--dtype", args.dtype, *args.server_arg],
+                    synthetic=args.synthetic,
                 )
                 try:
                     args.url = server.ws

@@ -15,6 +15,12 @@ goes when one allocator is slower.
 
     .venv/bin/python -m benchmarks.throughput [--conversations 28] [--blocks 256]
         [--budgets 512 1024] [--rate 1.0] [--json results/throughput.json]
+
+--synthetic SHAPE runs a random-weight model of that shape (benchmarks/synthetic.py) built on
+the device instead of the bundled one: the same trace, schedules and budgets, timings of a
+model whose answers mean nothing. --burst-only keeps the paged and contiguous burst runs (at
+--blocks and each of --budgets), as a short GPU run does. On CUDA each forward is followed by
+a device sync, so the time split counts the device's work as forward.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_step import SyncedForward
 from benchmarks.workload import Arrivals, Request, WorkloadConfig, generate
 from service.engine.blocks import AllocationMode
 from service.engine.config import EngineConfig
@@ -100,6 +107,8 @@ def run_one(
         ),
         loaded=loaded,
     )
+    if engine.runner.device.type == "cuda":
+        engine.step_runner = SyncedForward(engine.step_runner, engine.runner.device)
     arrivals = Arrivals(trace, burst=spec.burst)
     live: dict[str, _Live] = {}
     latencies: list[float] = []
@@ -184,24 +193,31 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", type=Path, default=Path("results/throughput.json"))
+    parser.add_argument("--synthetic", metavar="SHAPE", help="a random-weight model of this shape")
+    parser.add_argument("--burst-only", action="store_true", help="paged and contiguous bursts")
     args = parser.parse_args()
 
     probe = EngineConfig(dtype=args.dtype)
-    loaded = load_model(
-        None,
-        dtype=probe.torch_dtype(),
-        device=probe.torch_device(),
-        weight_dtype=probe.torch_weight_dtype(),
-    )
+    if args.synthetic:
+        from benchmarks.synthetic import build
+
+        loaded = build(args.synthetic, device=probe.torch_device(), dtype=probe.torch_dtype())
+    else:
+        loaded = load_model(
+            None,
+            dtype=probe.torch_dtype(),
+            device=probe.torch_device(),
+            weight_dtype=probe.torch_weight_dtype(),
+        )
     config = trace_config(args.conversations, args.seed, args.rate, args.max_model_len)
     paged, contiguous = AllocationMode.PAGED, AllocationMode.CONTIGUOUS
-    specs = [
-        RunSpec(paged, args.blocks),
-        RunSpec(contiguous, args.blocks),
-        RunSpec(paged, args.blocks, prefix_caching=False),
-        RunSpec(paged, args.blocks, burst=False),
-        RunSpec(contiguous, args.blocks, burst=False),
-    ]
+    specs = [RunSpec(paged, args.blocks), RunSpec(contiguous, args.blocks)]
+    if not args.burst_only:
+        specs += [
+            RunSpec(paged, args.blocks, prefix_caching=False),
+            RunSpec(paged, args.blocks, burst=False),
+            RunSpec(contiguous, args.blocks, burst=False),
+        ]
     specs += [RunSpec(a, b) for b in args.budgets for a in (paged, contiguous)]
     rows = []
     for spec in specs:
@@ -215,8 +231,13 @@ def main() -> int:
         )
     result = {
         "model": loaded.model_id,
-        "dtype": str(probe.torch_dtype()),
-        "weight_dtype": str(probe.torch_weight_dtype()),
+        "device": str(probe.torch_device()),
+        "random_weights": bool(args.synthetic),
+        "dtype": str(loaded.model.activation_dtype),
+        # Synthetic models hold every weight in the activations' dtype.
+        "weight_dtype": str(
+            loaded.model.activation_dtype if args.synthetic else probe.torch_weight_dtype()
+        ),
         "threads": torch.get_num_threads(),
         "block_size": probe.block_size,
         "max_model_len": args.max_model_len,

@@ -30,6 +30,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -44,6 +47,7 @@ def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
         weight_dtype=args.weight_dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     params = SamplingParams(
         max_tokens=args.max_tokens,

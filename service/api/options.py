@@ -90,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     opt(parser, "max-num-batched-tokens", int, e.max_num_batched_tokens, "tokens per step")
     opt(parser, "preemption-mode", str, e.preemption_mode.value, "swap | recompute")
     _flag(parser, "no-prefix-caching", "disable the prefix cache")
+    _flag(parser, "no-cuda-graphs", "run decode steps eagerly: capture no CUDA graphs")
     opt(
         parser,
         "prefix-cache-scope",
@@ -182,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=PreemptionMode(args.preemption_mode),
+        cuda_graphs=not args.no_cuda_graphs,
     )
     limits = Limits(
         max_connections=args.max_connections,

@@ -79,13 +79,15 @@ class ClientFaultFilter(logging.Filter):
         return True
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
+    """`loaded`: a model already in memory (benchmarks/synthetic.py builds one); None loads
+    `--model`."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("uvicorn.error").addFilter(ClientFaultFilter())
     try:
-        server = build_server(config_from_args(args))
+        server = build_server(config_from_args(args), loaded)
     except ValueError as exc:  # a setting out of range, an unusable API keys file
         sys.stderr.write(f"pagechat serve: {exc}\n")
         return 2

@@ -21,6 +21,8 @@ docs/perf.md and ../shared/FACTS.md):
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
 - max_num_batched_tokens 512: a prefill chunk of 512 tokens takes ~0.5 s in bf16 on the CPU,
   which bounds how long decoding sessions wait behind a new prompt.
+- cuda_graphs on: a decode step of a small batch on a GPU is bound by the host's ~100 µs per
+  attention launch without them (docs/perf.md); the CPU ignores it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class EngineConfig:
     cache_salt: str = ""  # tenants with different salts never share KV blocks
     seed: int = 0
     num_threads: int = 1
+    # Decode steps on CUDA (Triton backend) replay CUDA graphs captured at start-up for a
+    # ladder of batch sizes (service/engine/cuda_graphs.py); False: every step runs eagerly.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -24,6 +24,7 @@ from service.engine.blocks import (
     hash_blocks,
 )
 from service.engine.config import EngineConfig
+from service.engine.cuda_graphs import StepRunner, make_step_runner
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
 from service.engine.runner import ModelRunner
@@ -185,6 +186,8 @@ class LLMEngine:
             dtype=dtype,
             backend=get_backend(config.attention_backend, device),
         )
+        # Pure decode steps replay CUDA graphs where they can; every other step the runner.
+        self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
         self.sampler = Sampler(device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._steps = 0
@@ -271,9 +274,9 @@ class LLMEngine:
             return []
         sampling = [c for c in batch.chunks if c.samples]
         t1 = time.perf_counter()
-        inputs = self.runner.prepare(batch)
+        inputs = self.step_runner.prepare(batch)
         t2 = time.perf_counter()
-        logits = self.runner.execute(inputs)  # [len(sampling), V]
+        logits = self.step_runner.execute(inputs)  # [len(sampling), V]
         t3 = time.perf_counter()
         self._steps += 1
         for chunk in batch.chunks:

@@ -2,7 +2,9 @@
 
 Pools are `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (layer-major, so each
 layer's K and V caches are contiguous for attention; a block move touches every layer with one
-indexing op). The CPU pool is pinned on CUDA so swaps can overlap.
+indexing op). The CPU pool is pinned on CUDA so swaps can overlap. The device pool holds one
+block more than the block manager hands out: `scratch_block`, where the padding rows of a
+captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend.
 """
 
 from __future__ import annotations
@@ -93,8 +95,9 @@ class ModelRunner:
         self.backend = backend
         self.scale = args.head_dim**-0.5
         shape = (args.num_layers, 2, 0, block_size, args.num_kv_heads, args.head_dim)
+        self.scratch_block = num_device_blocks  # never in a block table the manager builds
         self.device_pool = torch.zeros(
-            _with_blocks(shape, num_device_blocks), dtype=dtype, device=device
+            _with_blocks(shape, num_device_blocks + 1), dtype=dtype, device=device
         )
         self.cpu_pool = torch.zeros(
             _with_blocks(shape, num_cpu_blocks),
@@ -173,6 +176,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The forward; logits [S, V] float32 of the chunks that sample."""
+        hidden = self.forward(inputs)  # [T, H]
+        return self.model.compute_logits(hidden[inputs.sample_rows])  # [S, V]
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Every layer over the step's tokens, K/V written through the pages; hidden [T, H]."""
         attention = PagedLayerAttention(
             caches=self.layer_caches,
             backend=self.backend,
@@ -180,8 +189,8 @@ class ModelRunner:
             plan=inputs.plan,
             scale=self.scale,
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, attention)  # [T, H]
-        return self.model.compute_logits(hidden[inputs.sample_rows])  # [S, V]
+        hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, attention)
+        return hidden
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

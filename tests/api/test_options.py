@@ -44,3 +44,10 @@ def test_limits_and_engine_settings_are_validated() -> None:
     assert config_from_args(parse("--preemption-mode", "recompute")).engine.preemption_mode is (
         PreemptionMode.RECOMPUTE
     )
+
+
+def test_no_cuda_graphs_turns_the_decode_graphs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert config_from_args(parse()).engine.cuda_graphs
+    assert not config_from_args(parse("--no-cuda-graphs")).engine.cuda_graphs
+    monkeypatch.setenv("PAGECHAT_NO_CUDA_GRAPHS", "1")
+    assert not config_from_args(parse()).engine.cuda_graphs

@@ -30,10 +30,11 @@ def tiny_model(tiny_model_dir: Path) -> LoadedModel:
 
 @pytest.fixture
 def make_engine(tiny_model: LoadedModel) -> Iterator[EngineFactory]:
-    """Build engines on the tiny model; after the test, each must hold no request and no block."""
+    """Build engines on the tiny model (or `loaded=`, the same model elsewhere); after the
+    test, each must hold no request and no block."""
     engines: list[LLMEngine] = []
 
-    def factory(**overrides: Any) -> LLMEngine:
+    def factory(loaded: LoadedModel = tiny_model, **overrides: Any) -> LLMEngine:
         settings: dict[str, Any] = {
             "dtype": "float32",
             "device": "cpu",
@@ -43,7 +44,7 @@ def make_engine(tiny_model: LoadedModel) -> Iterator[EngineFactory]:
             "max_num_batched_tokens": 128,
         }
         settings.update(overrides)
-        engine = LLMEngine(EngineConfig(**settings), loaded=tiny_model)
+        engine = LLMEngine(EngineConfig(**settings), loaded=loaded)
         engines.append(engine)
         return engine
 
