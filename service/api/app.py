@@ -21,8 +21,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from service.api import pagemap, stats
-from service.api.auth import guarded
 from service.api.connection import ChatConnection
+from service.api.guard import Guard
 from service.api.openai import ChatCompletions, http_error
 from service.api.service import ChatService
 from service.engine.async_engine import EngineDeadError
@@ -98,6 +98,7 @@ def create_app(service: ChatService) -> Starlette:
         return Response(_json.encode(pagemap.view(snapshot)), media_type="application/json")
 
     completions = ChatCompletions(service)
+    guarded = Guard(service.gate, service.metrics)
     chat_page = (WEB / "chat.html").read_text()
     kv_page = (WEB / "kv.html").read_text()
 
@@ -124,12 +125,12 @@ def create_app(service: ChatService) -> Starlette:
             Route("/health", health),
             # API keys, when on (service.api.auth): an admin's for the server's insides, any
             # for the model; /health and /metrics stay open (probes and scrapers).
-            Route("/v1/stats", guarded(service, stats_json, admin=True)),
-            Route("/v1/kv", guarded(service, kv_json, admin=True)),
-            Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
-            Route("/v1/completions", guarded(service, completions.create_text), methods=["POST"]),
-            Route("/v1/models", guarded(service, completions.models)),
-            Route("/v1/models/{name:path}", guarded(service, completions.model)),
+            Route("/v1/stats", guarded(stats_json, admin=True)),
+            Route("/v1/kv", guarded(kv_json, admin=True)),
+            Route("/v1/chat/completions", guarded(completions.create), methods=["POST"]),
+            Route("/v1/completions", guarded(completions.create_text), methods=["POST"]),
+            Route("/v1/models", guarded(completions.models)),
+            Route("/v1/models/{name:path}", guarded(completions.model)),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_view),

@@ -40,6 +40,7 @@ from protocol.frames import (
     User,
 )
 from service.api.auth import bearer, client_address
+from service.api.refusal import Refusal, RefusalReason
 from service.api.sender import ClientGone, FrameSender
 from service.api.turn import Turn
 from service.engine.params import SamplingParams
@@ -58,6 +59,22 @@ _CLOSE_CODE = {
     ErrorCode.SHUTTING_DOWN: CLOSE_SERVICE_RESTART,
     ErrorCode.TOO_MANY_CONNECTIONS: CLOSE_TRY_AGAIN_LATER,
 }
+# What each refusal of the service is on this transport: the error code, and whether the
+# connection closes after it (a server that is going away, or full, keeps nobody waiting).
+_REFUSAL_FRAME = {
+    RefusalReason.SHUTTING_DOWN: (ErrorCode.SHUTTING_DOWN, True),
+    RefusalReason.TOO_MANY_CONNECTIONS: (ErrorCode.TOO_MANY_CONNECTIONS, True),
+    RefusalReason.BUSY: (ErrorCode.BUSY, False),
+    RefusalReason.OVERLOADED: (ErrorCode.OVERLOADED, False),
+    RefusalReason.UNAUTHORIZED: (ErrorCode.UNAUTHORIZED, False),
+    RefusalReason.TOO_MANY_ATTEMPTS: (ErrorCode.TOO_MANY_ATTEMPTS, False),
+}
+
+
+def refusal_frame(refusal: Refusal) -> FrameError:
+    """A refusal of the service (or the gate) as this protocol's error."""
+    code, fatal = _REFUSAL_FRAME[refusal.reason]
+    return FrameError(code, refusal.message, fatal=fatal, retry_after_s=refusal.retry_after_s)
 
 
 class State(enum.Enum):
@@ -124,9 +141,9 @@ class ChatConnection:
         refusal = self.service.admit(self)
         try:
             if refusal is not None:
-                await self._send_error(refusal)
-                shutting_down = refusal.code is ErrorCode.SHUTTING_DOWN
-                await self._close(CLOSE_SERVICE_RESTART if shutting_down else CLOSE_TRY_AGAIN_LATER)
+                error = refusal_frame(refusal)
+                await self._send_error(error)
+                await self._close(_CLOSE_CODE.get(error.code, CLOSE_TRY_AGAIN_LATER))
                 return
             await self._read_frames()
         except ClientGone:
@@ -168,10 +185,11 @@ class ChatConnection:
                     message.get("text"), message.get("bytes"), limits.max_frame_bytes
                 )
                 await self._dispatch(frame, time.monotonic())
-            except FrameError as exc:  # a refused frame ends the connection only if fatal
-                await self._send_error(exc)
-                if exc.fatal:
-                    await self._close(_CLOSE_CODE.get(exc.code, CLOSE_POLICY_VIOLATION))
+            except (FrameError, Refusal) as exc:  # a refused frame ends it only if fatal
+                error = refusal_frame(exc) if isinstance(exc, Refusal) else exc
+                await self._send_error(error)
+                if error.fatal:
+                    await self._close(_CLOSE_CODE.get(error.code, CLOSE_POLICY_VIOLATION))
                     return
 
     async def _receive(self) -> Message | None:
@@ -286,7 +304,7 @@ class ChatConnection:
         assert self.session_id is not None
         refusal = self.service.begin_turn(self.session_id)
         if refusal is not None:
-            raise refusal
+            raise refusal_frame(refusal)
         self._move(State.STREAMING)
         assert self.store is not None and self.tenant is not None  # set with the session
         turn = Turn(

@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 
 from service.api.config import Limits
-from service.api.openai_errors import OpenAIError as OpenAIError  # where auth.py finds it
 from service.api.openai_errors import (
     context_exceeded,
     decode_error,

@@ -12,11 +12,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol.frames import ErrorCode, FrameError
 from service.api.auth import DEFAULT_TENANT, Gate
 from service.api.config import ServerConfig
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
+from service.api.refusal import Refusal, RefusalReason
 from service.engine.async_engine import AsyncEngine, EngineDeadError
 from service.engine.blocks import CacheScope
 from service.engine.config import dtype_name
@@ -241,15 +241,14 @@ class ChatService:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, connection: ChatConnection) -> FrameError | None:
+    def admit(self, connection: ChatConnection) -> Refusal | None:
         if self.draining:
-            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
         limit = self.config.limits.max_connections
         if len(self.connections) >= limit:
-            return FrameError(
-                ErrorCode.TOO_MANY_CONNECTIONS,
+            return Refusal(
+                RefusalReason.TOO_MANY_CONNECTIONS,
                 f"the server has {limit} open connections; retry later",
-                fatal=True,
             )
         self.connections.add(connection)
         self.metrics.open_connections.set(len(self.connections))
@@ -259,15 +258,15 @@ class ChatService:
         self.connections.discard(connection)
         self.metrics.open_connections.set(len(self.connections))
 
-    def begin_turn(self, session_id: str) -> FrameError | None:
-        if self.draining:  # fatal, as everywhere: this connection is closed with 1012 next
-            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+    def begin_turn(self, session_id: str) -> Refusal | None:
+        if self.draining:
+            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
         if session_id in self.busy_sessions:
-            return FrameError(ErrorCode.BUSY, "this session is answering on another connection")
+            return Refusal(RefusalReason.BUSY, "this session is answering on another connection")
         limit = self.config.limits.max_inflight_turns
         if len(self.busy_sessions) >= limit:
-            return FrameError(
-                ErrorCode.OVERLOADED, f"the server is answering {limit} messages; retry later"
+            return Refusal(
+                RefusalReason.OVERLOADED, f"the server is answering {limit} messages; retry later"
             )
         self.busy_sessions.add(session_id)
         self._idle.clear()

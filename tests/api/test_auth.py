@@ -26,11 +26,12 @@ from websockets.exceptions import InvalidStatus
 from websockets.typing import Origin
 
 from clients.chat_client import ChatClient, ChatServerError
-from protocol.frames import Error, ErrorCode, FrameError, SessionOpened
+from protocol.frames import Error, SessionOpened
 from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.config import ServerConfig
 from service.api.limiter import AttemptLimiter
 from service.api.options import add_arguments, config_from_args
+from service.api.refusal import Refusal, RefusalReason
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
 
 ALICE = "alice-key-0123456789"  # tenant-a, admin
@@ -152,16 +153,16 @@ def test_the_limiter_keeps_at_most_max_subjects_dropping_the_stalest() -> None:
 def test_the_gate_counts_wrong_keys_but_not_missing_ones() -> None:
     gate = Gate(ApiKeys.parse(KEYS_FILE, "keys"), clock=Clock())
     for _ in range(20):
-        with pytest.raises(FrameError, match="needs an API key") as caught:
+        with pytest.raises(Refusal, match="needs an API key") as caught:
             gate.authenticate(None, "10.0.0.1")
-        assert caught.value.code is ErrorCode.UNAUTHORIZED
+        assert caught.value.reason is RefusalReason.UNAUTHORIZED
     assert gate.authenticate(BOB, "10.0.0.1").tenant == "tenant-b"
     for _ in range(6):
-        with pytest.raises(FrameError, match="not valid"):
+        with pytest.raises(Refusal, match="not valid"):
             gate.authenticate("wrong-key-0123456789", "10.0.0.1")
-    with pytest.raises(FrameError, match="too many failed attempts") as caught:
+    with pytest.raises(Refusal, match="too many failed attempts") as caught:
         gate.authenticate(BOB, "10.0.0.1")  # refused unheard, even with a good key
-    assert caught.value.code is ErrorCode.TOO_MANY_ATTEMPTS
+    assert caught.value.reason is RefusalReason.TOO_MANY_ATTEMPTS
     assert caught.value.retry_after_s == 1.0
 
 
