@@ -235,7 +235,7 @@ class ChatConnection:
             )
         store = service.store_for(principal.tenant)
         try:
-            new = await store.create(model_id=service.model_id, system=frame.system)
+            new = await store.create(model_id=service.engine.model_id, system=frame.system)
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
         self.session_id = new.meta.session_id
@@ -307,8 +307,11 @@ class ChatConnection:
             raise refusal_frame(refusal)
         self._move(State.STREAMING)
         assert self.store is not None and self.tenant is not None  # set with the session
+        service = self.service
         turn = Turn(
-            self.service,
+            service.engine,
+            service.conversations,
+            service.metrics,
             self.store,
             self.tenant,
             self.session_id,

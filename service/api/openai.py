@@ -64,7 +64,7 @@ class ChatCompletions:
     @property
     def names(self) -> tuple[str, ...]:
         """The model names this server answers to (--served-model-name), the first listed."""
-        return self.service.config.served_model_names or (self.service.model_id,)
+        return self.service.config.served_model_names or (self.service.engine.model_id,)
 
     def _model(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "pagechat"}
@@ -88,18 +88,20 @@ class ChatCompletions:
         return await self._answer(request, self._text)
 
     def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine.engine, self.service.config.limits
+        engine, limits = self.service.engine, self.service.config.limits
+        max_model_len = engine.limits.max_model_len
         req = decode_request(body, self.names)
-        prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
+        prompt = render_prompt(req, self.service.chat_format, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
-        return req, prompt, sampling_params(req, limits, len(prompt), engine.max_model_len, vocab)
+        return req, prompt, sampling_params(req, limits, len(prompt), max_model_len, vocab)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine.engine, self.service.config.limits
+        engine, limits = self.service.engine, self.service.config.limits
+        max_model_len = engine.limits.max_model_len
         req = decode_completion_request(body, self.names)
-        prompt = completion_prompt(req, engine.tokenizer, limits, engine.max_model_len)
+        prompt = completion_prompt(req, engine.tokenizer, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
-        return req, prompt, completion_params(req, limits, len(prompt), engine.max_model_len, vocab)
+        return req, prompt, completion_params(req, limits, len(prompt), max_model_len, vocab)
 
     async def _answer(
         self,

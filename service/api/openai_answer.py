@@ -15,11 +15,11 @@ from starlette.responses import Response
 from service.api.openai_completions import CompletionRequest
 from service.api.openai_errors import OpenAIError, invalid
 from service.api.openai_request import ChatCompletionRequest
-from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from service.engine.sequence import FinishReason
+from service.engine.serving import EngineDeadError
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
@@ -54,7 +54,7 @@ class Answer:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.tokenizer = service.engine.engine.tokenizer
+        self.tokenizer = service.engine.tokenizer
         # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0

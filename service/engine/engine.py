@@ -105,7 +105,7 @@ class SequencePages:
 
 
 @dataclass(slots=True, frozen=True)
-class PageMap:
+class KVSnapshot:
     """Who holds which KV slot right now: both tiers slot by slot, and the live tables."""
 
     block_size: int
@@ -113,6 +113,15 @@ class PageMap:
     cpu: list[SlotState]
     sequences: list[SequencePages]
     num_sequences: int  # live sequences in all; `sequences` may list only the first ones
+
+
+@dataclass(slots=True, frozen=True)
+class KVPages:
+    """Where a token sequence's KV pages are now: each full block's chain hash, in order, and
+    the tier holding that block (None: in no pool; a later prefill computes it again)."""
+
+    block_hashes: list[int]
+    tiers: list[Tier | None]
 
 
 @dataclass(slots=True)
@@ -227,11 +236,12 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(seq)
 
-    def block_hashes(self, token_ids: list[int], scope: CacheScope | None = None) -> list[int]:
-        """The chain hashes this engine gives the full blocks of `token_ids` in `scope`
-        (for page maps: `AsyncEngine.block_tiers` looks them up)."""
+    def pages_of(self, token_ids: list[int], scope: CacheScope | None = None) -> KVPages:
+        """The hashes this engine gives the full blocks of `token_ids` in `scope`, and where
+        each of those blocks is now (for the page maps stored with conversations)."""
         bm = self.block_manager
-        return hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
+        hashes = hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
+        return KVPages(hashes, [bm.tier_of(h) for h in hashes])
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and release its blocks. False if it is not running."""
@@ -323,11 +333,11 @@ class LLMEngine:
             timing=dataclasses.replace(self._timing),
         )
 
-    def page_map(self, max_sequences: int = 256) -> PageMap:
+    def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         """A snapshot of the KV pools for live views (read between steps, on this thread)."""
         live = self._live_sequences()
         bm = self.block_manager
-        return PageMap(
+        return KVSnapshot(
             block_size=bm.block_size,
             device=bm.slot_states(Tier.DEVICE),
             cpu=bm.slot_states(Tier.CPU),
