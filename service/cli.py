@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
+from service.sessions.prompt import ChatFormat
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -77,21 +78,18 @@ def _stream_answer(
 
 def generate(args: argparse.Namespace) -> int:
     engine, params = _build(args)
-    messages = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.prompt})
-    prompt = engine.tokenizer.apply_chat_template(messages)
+    prompt = ChatFormat(engine.tokenizer).first_prompt(args.system or None, args.prompt)
     _stream_answer(engine, "generate", prompt, params)
     return 0
 
 
 def chat(args: argparse.Namespace) -> int:
+    """As the service answers a session: every turn's prompt is the conversation's ids so far,
+    exactly as the model saw them (a prefix-cache hit), plus the new user turn's."""
     engine, params = _build(args)
-    tok = engine.tokenizer
+    chat_format = ChatFormat(engine.tokenizer)
     print("pagechat: type a message; an empty line or Ctrl-D quits", file=sys.stderr)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[int] = []  # the conversation's ids exactly as the model saw them
+    history: list[int] = []
     for turn in itertools.count():
         try:
             text = input("> ")
@@ -99,18 +97,12 @@ def chat(args: argparse.Namespace) -> int:
             break
         if not text.strip():
             break
-        messages.append({"role": "user", "content": text})
-        prompt = tok.apply_chat_template(messages)
         if history:
-            # Earlier turns keep their stored ids (a prefix-cache hit); only the new turn is
-            # rendered. Re-tokenizing generated text need not give back the same ids.
-            before = tok.apply_chat_template(messages[:-1], add_generation_prompt=False)
-            if prompt[: len(before)] == before:
-                prompt = history + prompt[len(before) :]
+            prompt = chat_format.next_prompt(history, text)
+        else:
+            prompt = chat_format.first_prompt(args.system or None, text)
         answer = _stream_answer(engine, f"turn-{turn}", prompt, params)
-        messages.append({"role": "assistant", "content": tok.decode(answer, True)})
-        ended = bool(answer) and answer[-1] in tok.eos_token_ids
-        history = prompt + answer + tok.encode("\n") if ended else []
+        history = prompt + answer + chat_format.close_turn(answer)
     return 0
 
 

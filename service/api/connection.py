@@ -34,13 +34,14 @@ from protocol.frames import (
     FrameError,
     Open,
     Resume,
-    Sampling,
     ServerFrame,
     SessionOpened,
     User,
+    UserParams,
 )
 from service.api.auth import bearer, client_address
 from service.api.refusal import Refusal, RefusalReason
+from service.api.sampling import Refused, SamplingRefused, sampling_params
 from service.api.sender import ClientGone, FrameSender
 from service.api.turn import Turn
 from service.engine.params import SamplingParams
@@ -323,32 +324,25 @@ class ChatConnection:
         self._turn = turn
         self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
 
-    def _params(self, sampling: Sampling) -> SamplingParams:
+    def _params(self, asked: UserParams) -> SamplingParams:
         limits = self.service.config.limits
-        if sampling.max_tokens is not None and sampling.max_tokens < 1:
-            # 0 is no answer at all, never "the default": that is what leaving it out means.
-            raise FrameError(
-                ErrorCode.INVALID_PARAMS, "max_tokens must be >= 1 (omit it for the default)"
-            )
-        max_tokens = sampling.max_tokens or limits.default_max_tokens
-        if max_tokens > limits.max_tokens:
-            raise FrameError(
-                ErrorCode.MAX_TOKENS_TOO_LARGE,
-                f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}",
-            )
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=sampling.seed,
-                stop=tuple(sampling.stop),
-                ignore_eos=sampling.ignore_eos,
-                logprobs=sampling.logprobs,
+            return sampling_params(
+                limits,
+                max_tokens=asked.max_tokens,
+                default_max_tokens=limits.default_max_tokens,
+                temperature=asked.temperature,
+                top_p=asked.top_p,
+                top_k=asked.top_k,
+                seed=asked.seed,
+                stop=tuple(asked.stop),
+                ignore_eos=asked.ignore_eos,
+                logprobs=asked.logprobs,
             )
-        except ValueError as exc:
-            raise FrameError(ErrorCode.INVALID_PARAMS, str(exc)) from None
+        except SamplingRefused as exc:
+            over = exc.why is Refused.OVER_LIMIT
+            code = ErrorCode.MAX_TOKENS_TOO_LARGE if over else ErrorCode.INVALID_PARAMS
+            raise FrameError(code, str(exc)) from None
 
     async def _answer(self, turn: Turn) -> None:
         try:

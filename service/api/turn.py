@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.exceptions
@@ -30,6 +29,7 @@ from protocol.frames import (
     Usage,
 )
 from service.api.auth import cache_salt_for
+from service.api.meter import AnswerMeter
 from service.api.metrics import Metrics
 from service.api.sender import ClientGone
 from service.engine.blocks import CacheScope
@@ -70,7 +70,7 @@ class Turn:
     ) -> None:
         self.engine = engine
         self.conversations = conversations  # cache scopes, page maps, tail prefills
-        self.metrics = metrics
+        self.meter = AnswerMeter(metrics, received)
         self.store = store  # the tenant's sessions
         self.tenant = tenant
         self.session_id = session_id
@@ -84,8 +84,6 @@ class Turn:
         self.answer: list[int] = []
         self.text = ""
         self._last: RequestOutput | None = None
-        self._first_token_at: float | None = None
-        self._last_token_at: float | None = None
 
     def cancel(self, reason: FinishReason) -> None:
         """Stop the answer (the first reason given wins); safe to call at any point."""
@@ -179,9 +177,7 @@ class Turn:
                     conversations.prefill_tail(self.session_id, ids, scope)
             if failure is not None:
                 raise failure
-        self.metrics.turns.labels(reason.value).inc()
-        total = time.monotonic() - self.received
-        self.metrics.e2e_latency.observe(total)
+        total = self.meter.end([reason.value])
         if reason is FinishReason.DISCONNECTED:
             return None
         return Done(
@@ -202,19 +198,10 @@ class Turn:
         return fmt.render(meta.system, messages, self.content)
 
     async def _stream(self, stream: AsyncIterator[RequestOutput]) -> None:
-        metrics = self.metrics
         want_logprobs = self.params.logprobs is not None
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for out in stream:
-                now = time.monotonic()
-                if self._last_token_at is None:
-                    self._first_token_at = now
-                    metrics.time_to_first_token.observe(now - self.received)
-                    if out.first_scheduled_time is not None:
-                        metrics.queue_time.observe(out.first_scheduled_time - self.received)
-                else:
-                    metrics.inter_token_latency.observe(now - self._last_token_at)
-                self._last_token_at = now
+                self.meter.output(out)
                 self._last = out
                 self.answer += out.new_token_ids
                 self.text += out.new_text
@@ -241,10 +228,7 @@ class Turn:
         elif isinstance(exc, Exception):
             failure = exc  # a bug: reported as internal by the connection, after the store
         elif exc is None:
-            last = self._last
-            if last is not None and last.finish_reason is EngineFinishReason.LENGTH:
-                return FinishReason.LENGTH, None
-            return FinishReason.STOP, None
+            return wire_reason(self._last.finish_reason if self._last else None), None
         else:
             raise exc  # KeyboardInterrupt and the like are not the turn's to handle
         return FinishReason.ERROR, failure
@@ -276,9 +260,16 @@ class Turn:
     def _timing(self, total: float) -> Timing:
         last = self._last
         scheduled = last.first_scheduled_time if last else None
-        first = self._first_token_at
+        first = self.meter.first_token_at
         return Timing(
             queue_s=None if scheduled is None else max(0.0, scheduled - self.received),
             ttft_s=None if first is None else first - self.received,
             total_s=total,
         )
+
+
+def wire_reason(reason: EngineFinishReason | None) -> FinishReason:
+    """The engine's finish reason in the protocol's words: `length` is length, `stop` stop.
+    (The engine's `abort` never reaches here: a turn aborts only by leaving its stream, and
+    then its own reason stands: cancelled, shutdown or disconnected.)"""
+    return FinishReason.LENGTH if reason is EngineFinishReason.LENGTH else FinishReason.STOP

@@ -322,7 +322,7 @@ class BlockManager:
         """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens.
 
         `count_lookup=False` keeps the lookup out of the prefix-cache statistics (the engine's
-        own cache-completing requests are not user traffic).
+        own prefill-only requests, tail prefills, are not user traffic).
         """
         assert self.can_allocate(seq, hit, num_new_tokens)
         # Claim every hit before taking any slot: swapping one CPU hit in may evict a device

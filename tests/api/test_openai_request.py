@@ -11,9 +11,9 @@ from starlette.requests import Request
 
 from service.api.config import Limits
 from service.api.openai import http_error
+from service.api.openai_errors import OpenAIError
 from service.api.openai_request import (
     ChatCompletionRequest,
-    OpenAIError,
     decode_request,
     render_prompt,
     sampling_params,
