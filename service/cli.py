@@ -18,19 +18,14 @@ from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 
+# The engine options `generate` and `chat` take, as `serve` does (service.api.options).
+CLI_ENGINE_FIELDS = ("model", "dtype", "weight_dtype", "weights", "device", "attention_backend")
+
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: bundled)"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="activations and KV cache (auto: timed on the CPU)"
-    )
-    parser.add_argument(
-        "--weight-dtype", default="auto", help="matmul weights (auto: as --dtype, or timed)"
-    )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    from service.api.options import add_arguments
+
+    add_arguments(parser, ["engine"], only=CLI_ENGINE_FIELDS)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -39,13 +34,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        weight_dtype=args.weight_dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-    )
+    from service.api.options import values
+
+    config = EngineConfig(**values(args, "engine", only=CLI_ENGINE_FIELDS))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

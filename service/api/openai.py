@@ -64,7 +64,7 @@ class ChatCompletions:
     @property
     def names(self) -> tuple[str, ...]:
         """The model names this server answers to (--served-model-name), the first listed."""
-        return self.service.config.served_model_names or (self.service.engine.model_id,)
+        return self.service.config.served_model_name or (self.service.engine.model_id,)
 
     def _model(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "pagechat"}

@@ -257,7 +257,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[Se
         directory / "server.log",
         *("--redis-url", REDIS_URL, "--redis-prefix", prefix),
         *("--dtype", "float32", "--num-device-blocks", "64", "--num-cpu-blocks", "64"),
-        *("--max-model-len", "256", "--max-tokens-limit", "16", "--default-max-tokens", "8"),
+        *("--max-model-len", "256", "--max-tokens", "16", "--default-max-tokens", "8"),
         *("--api-keys-file", str(keys), "--allowed-origins", ALLOWED),
         *("--trusted-proxies", "127.0.0.1"),
     )
