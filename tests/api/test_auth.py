@@ -1,6 +1,7 @@
-"""Who may come in (service/api/auth.py): the keys file, the failed-attempt limiter and the
-Origin rule as units; then API keys, tenants' separate sessions, the limiter and the Origin
-rule against a real `pagechat serve` with a keys file, over real WebSockets and HTTP.
+"""Who may come in (service/api/auth.py, and its HTTP guard, service/api/guard.py): the keys
+file, the gate and the Origin rule as units; then API keys, tenants' separate sessions, the
+failed-attempt limiter and the Origin rule against a real `pagechat serve` with a keys file,
+over real WebSockets and HTTP (the limiter alone: test_limiter.py).
 
 The server trusts 127.0.0.1 as a proxy, so a test client names its address with
 X-Forwarded-For; every test uses addresses of its own, since the limiter outlives tests.
@@ -29,10 +30,10 @@ from clients.chat_client import ChatClient, ChatServerError
 from protocol.frames import Error, SessionOpened
 from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.config import ServerConfig
-from service.api.limiter import AttemptLimiter
 from service.api.options import add_arguments, config_from_args
 from service.api.refusal import Refusal, RefusalReason
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
+from tests.api.test_limiter import Clock
 
 ALICE = "alice-key-0123456789"  # tenant-a, admin
 BOB = "bob-key-0123456789abc"  # tenant-b
@@ -97,57 +98,7 @@ def test_serve_refuses_a_malformed_keys_file_at_start_up(tmp_path: Path) -> None
     assert f"{path}:2: the key has 5 characters" in done.stderr
 
 
-# ---------------------------------------------------------------------- the limiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_failures_after_the_free_ones_refuse_for_doubling_waits_up_to_the_cap() -> None:
-    clock = Clock()
-    limiter = AttemptLimiter(free=5, base_s=1.0, cap_s=8.0, window_s=60.0, clock=clock)
-    for _ in range(5):
-        limiter.fail("10.0.0.1")
-        assert limiter.retry_after("10.0.0.1") is None
-    waits = []
-    for _ in range(6):
-        limiter.fail("10.0.0.1")
-        wait = limiter.retry_after("10.0.0.1")
-        assert wait is not None
-        waits.append(wait)
-        clock.now += wait  # the client waits as told, then fails again
-        assert limiter.retry_after("10.0.0.1") is None
-    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-    assert limiter.retry_after("10.0.0.2") is None  # others are not slowed
-
-
-def test_failures_are_forgotten_after_the_window_or_on_success() -> None:
-    clock = Clock()
-    limiter = AttemptLimiter(free=1, base_s=1.0, cap_s=8.0, window_s=60.0, clock=clock)
-    limiter.fail("s")
-    clock.now += 61
-    limiter.fail("s")  # the first is forgotten: this one is free again
-    assert limiter.retry_after("s") is None
-    limiter.fail("s")
-    assert limiter.retry_after("s") == 1.0
-    limiter.forget("s")
-    assert limiter.retry_after("s") is None
-
-
-def test_the_limiter_keeps_at_most_max_subjects_dropping_the_stalest() -> None:
-    limiter = AttemptLimiter(free=0, max_subjects=100, clock=Clock())
-    for i in range(1000):
-        limiter.fail(f"10.0.{i // 256}.{i % 256}")
-    assert len(limiter) == 100
-    assert limiter.retry_after("10.0.0.0") is None  # dropped
-    assert limiter.retry_after("10.0.3.231") is not None  # the latest is kept
-    limiter.fail("x" * 100_000)  # a subject is cut short, not kept whole
-    assert limiter.retry_after("x" * 200) is not None
+# ---------------------------------------------------------------------- the gate
 
 
 def test_the_gate_counts_wrong_keys_but_not_missing_ones() -> None:

@@ -1,4 +1,4 @@
-"""The wire frames: validation, both encodings, and the size limit."""
+"""The wire frames (protocol/frames.py): validation, both encodings, and the size limit."""
 
 from __future__ import annotations
 
