@@ -15,7 +15,14 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from service.engine.blocks import BlockStats, CacheScope, PoolUsage, Tier, hash_blocks
+from service.engine.blocks import (
+    BlockStats,
+    CacheScope,
+    KVInvariantError,
+    PoolUsage,
+    Tier,
+    hash_blocks,
+)
 from service.engine.engine import (
     EngineStats,
     KVPages,
@@ -80,7 +87,7 @@ class FakeEngine:
 
     def check_balanced(self) -> None:
         if self.running:
-            raise AssertionError(f"requests still running: {sorted(self.running)}")
+            raise KVInvariantError(f"requests still running: {sorted(self.running)}")
 
     def stats(self) -> EngineStats:
         total = self.limits.num_device_blocks

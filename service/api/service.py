@@ -19,6 +19,7 @@ from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
 from service.engine.async_engine import AsyncEngine
+from service.engine.blocks import KVInvariantError
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
 from service.engine.serving import ServingEngine
@@ -205,7 +206,7 @@ class ChatService:
                 try:
                     self._engine.check_balanced()
                     self.balanced_at_exit = True
-                except AssertionError as exc:
+                except KVInvariantError as exc:
                     log.error("KV pools unbalanced at shutdown: %s", exc)
                     self.balanced_at_exit = False
         if self._store is not None:

@@ -150,7 +150,7 @@ class AsyncEngine:
             self._thread = None
 
     def check_balanced(self) -> None:
-        """After `stop`: raise unless the pools' accounting holds."""
+        """After `stop`: KVInvariantError unless the pools' accounting holds."""
         if self._thread is not None:
             raise RuntimeError("the engine thread is running: stop it first")
         self.engine.check_balanced()

@@ -130,6 +130,16 @@ class BlockStats:
     blocks_dropped: int  # cached content lost for lack of room
 
 
+class KVInvariantError(RuntimeError):
+    """The pools' accounting is off: a block leaked, is in two places, or its ref count is
+    not its holders'. A bug, never a client's doing."""
+
+
+def _check(holds: bool, what: str) -> None:
+    if not holds:
+        raise KVInvariantError(what)
+
+
 def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
     """Reproducible across processes, restarts and hosts (stored in Redis page maps).
 
@@ -459,39 +469,41 @@ class BlockManager:
         return all(len(p.held) == len(p.cached) for p in (self._device, self._cpu))
 
     def check_invariants(self, live: Iterable[PagedSequence] | None = None) -> None:
-        """Raise AssertionError if the pool's accounting is off.
+        """Raise KVInvariantError if the pool's accounting is off.
 
         free + cached + in use == total on each tier; a slot is in one place only; ref counts
         equal the number of table entries across `live` (when given) and are never negative.
+        Raised, not asserted: `python -O` must not turn the check into a silent pass.
         """
         for pool in (self._device, self._cpu):
             free = set(pool.free)
-            assert len(free) == len(pool.free), f"{pool.tier}: slot freed twice"
-            assert not free & pool.held.keys(), f"{pool.tier}: a free slot is also held"
-            assert len(free) + len(pool.held) == pool.total, f"{pool.tier}: slots leaked"
+            _check(len(free) == len(pool.free), f"{pool.tier}: slot freed twice")
+            _check(not free & pool.held.keys(), f"{pool.tier}: a free slot is also held")
+            _check(len(free) + len(pool.held) == pool.total, f"{pool.tier}: slots leaked")
             for slot, block in pool.held.items():
-                assert block.slot == slot and block.tier is pool.tier, "handle misplaced"
-                assert block.ref_count >= 0, "negative ref count"
+                _check(block.slot == slot and block.tier is pool.tier, "handle misplaced")
+                _check(block.ref_count >= 0, "negative ref count")
                 if block.ref_count == 0:
-                    assert block.block_hash is not None, "unhashed block with no holder"
-                    assert pool.cached.get(block.block_hash) is block, "idle block not cached"
+                    _check(block.block_hash is not None, "unhashed block with no holder")
+                    cached = block.block_hash is not None and pool.cached.get(block.block_hash)
+                    _check(cached is block, "idle block not cached")
             for h, block in pool.cached.items():
-                assert block.ref_count == 0 and block.block_hash == h, "cached entry stale"
-                assert pool.held.get(block.slot) is block, "cached block not held"
+                _check(block.ref_count == 0 and block.block_hash == h, "cached entry stale")
+                _check(pool.held.get(block.slot) is block, "cached block not held")
         for h, block in self._by_hash.items():
-            assert block.block_hash == h, "hash index stale"
+            _check(block.block_hash == h, "hash index stale")
             pool = self._pool(block.tier)
-            assert pool.held.get(block.slot) is block, "hashed block not held"
+            _check(pool.held.get(block.slot) is block, "hashed block not held")
         if live is not None:
             refs: dict[int, int] = {}
             for seq in live:
                 for block in seq.block_table:
                     refs[id(block)] = refs.get(id(block), 0) + 1
                     held = self._pool(block.tier).held.get(block.slot)
-                    assert held is block, "a table lists a released or misplaced block"
+                    _check(held is block, "a table lists a released or misplaced block")
             for pool in (self._device, self._cpu):
                 for block in pool.held.values():
-                    assert block.ref_count == refs.get(id(block), 0), "ref count != holders"
+                    _check(block.ref_count == refs.get(id(block), 0), "ref count != holders")
 
     # ------------------------------------------------------------------ internals
 

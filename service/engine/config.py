@@ -1,7 +1,7 @@
 """Engine configuration: one validated dataclass, documented defaults.
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
-docs/perf.md and ../shared/FACTS.md):
+docs/perf.md, and its figures measured before the project started):
 - dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
   and the matmul weights' dtype are chosen by timing one decoder layer of a batch-32 decode
   step (its four projections and the paged attention) once at start-up, on this very CPU:

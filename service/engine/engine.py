@@ -19,6 +19,7 @@ from service.engine.blocks import (
     BlockManager,
     BlockStats,
     CacheScope,
+    KVInvariantError,
     SlotState,
     Tier,
     hash_blocks,
@@ -356,11 +357,11 @@ class LLMEngine:
         )
 
     def check_balanced(self) -> None:
-        """Raise unless the KV pools' accounting holds for the sequences alive now."""
+        """KVInvariantError unless the KV pools' accounting holds for the sequences alive now."""
         live = self._live_sequences()
         self.block_manager.check_invariants(live)
-        if not live:
-            assert self.block_manager.is_idle_balanced(), "blocks leaked with no request alive"
+        if not live and not self.block_manager.is_idle_balanced():
+            raise KVInvariantError("blocks leaked with no request alive")
 
     # ------------------------------------------------------------------ internals
 
