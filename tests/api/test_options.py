@@ -85,6 +85,7 @@ def test_every_config_field_has_exactly_one_option_and_one_environment_variable(
         expected = [flag, f"--no-{flag[2:]}"] if option.is_bool else [flag]
         assert action.option_strings == expected
         assert option.env == "PAGECHAT_" + name.upper()
+        assert option.help, f"{name} has no help text: make it with service.settings.setting"
         assert action.help is not None and f"[{option.env}; " in action.help
     nested = {"engine", "limits"}
     for group, cls in GROUPS.items():
