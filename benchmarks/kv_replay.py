@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from benchmarks.workload import Arrivals, Request, Trace, answer_token_ids
-from service.engine.blocks import AllocationMode, BlockManager, PrefixHit
+from service.engine.blocks import AllocationMode, BlockManager, PagedSequence, PrefixHit
 from service.engine.config import PreemptionMode
 from service.engine.params import SamplingParams
 from service.engine.scheduler import Scheduler
@@ -54,19 +54,20 @@ class OracleBlockManager(BlockManager):
         super().__init__(num_slots, 0, 1, namespace=NAMESPACE, enable_prefix_caching=False)
         self._final_len = final_len
 
-    def _reserve(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> int:
+    def _reserve(self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int) -> int:
+        assert isinstance(seq, Sequence)  # the replay's own sequences, which have ids
         return max(num_new_tokens, self._final_len[seq.seq_id] - hit.num_tokens)
 
-    def can_allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int) -> bool:
         return super().can_allocate(seq, hit, self._reserve(seq, hit, num_new_tokens))
 
     def allocate(
-        self, seq: Sequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
+        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
     ) -> None:
         reserve = self._reserve(seq, hit, num_new_tokens)
         super().allocate(seq, hit, reserve, count_lookup=count_lookup)
 
-    def can_fork(self, parent: Sequence) -> bool:
+    def can_fork(self, parent: PagedSequence) -> bool:
         return False
 
 

@@ -253,7 +253,7 @@ async def resume(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.stop()
         # The same Redis, a new process with the prefix cache disabled: history recomputed.
-        server = Server(Path(tmp) / "recomputed.log", [*common, "--no-prefix-caching"])
+        server = Server(Path(tmp) / "recomputed.log", [*common, "--no-enable-prefix-caching"])
         try:
             await one_session(server.ws, "Warm up.", 2)
             for sid, secret in later:

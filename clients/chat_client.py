@@ -29,12 +29,12 @@ from protocol.frames import (
     Error,
     Open,
     Resume,
-    Sampling,
     ServerFrame,
     SessionOpened,
     Timing,
     Usage,
     User,
+    UserParams,
 )
 
 
@@ -169,7 +169,7 @@ class ChatClient:
 
     async def send_user(self, content: str, **params: Any) -> float:
         """Send a user message; return when it was sent (time.monotonic())."""
-        await self.send(User(content=content, params=Sampling(**params)))
+        await self.send(User(content=content, params=UserParams(**params)))
         return time.monotonic()
 
     async def cancel(self) -> None:

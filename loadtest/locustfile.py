@@ -43,7 +43,7 @@ from locust.env import Environment
 from clients.chat_client import ChatServerError as ServerError
 from loadtest.httpclient import CompletionError, stream_completion
 from loadtest.wsclient import ChatSocket, TurnResult, chat_url
-from protocol.frames import Sampling
+from protocol.frames import UserParams
 
 QUESTIONS = (
     "What is a paged KV cache?",
@@ -212,7 +212,7 @@ class ChatUser(User):
 
     def _ask(self, sock: ChatSocket, content: str, max_tokens: int) -> TurnResult | None:
         """One turn; its entries are recorded. None when it failed."""
-        params = Sampling(max_tokens=max_tokens, temperature=0.7)
+        params = UserParams(max_tokens=max_tokens, temperature=0.7)
         start = time.perf_counter()
         try:
             result = sock.ask(content, params)

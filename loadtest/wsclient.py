@@ -22,10 +22,10 @@ from protocol.frames import (
     Error,
     Open,
     Resume,
-    Sampling,
     ServerFrame,
     SessionOpened,
     User,
+    UserParams,
 )
 
 
@@ -112,7 +112,7 @@ class ChatSocket:
         self.secret = secret
         return opened
 
-    def ask(self, content: str, params: Sampling) -> TurnResult:
+    def ask(self, content: str, params: UserParams) -> TurnResult:
         """Send a user message and read its deltas up to the done frame."""
         result = TurnResult(sent_at=time.perf_counter())
         self.send(User(content=content, params=params))

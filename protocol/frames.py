@@ -46,7 +46,10 @@ class FinishReason(enum.StrEnum):
 # ---------------------------------------------------------------------- client -> server
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class UserParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a `user` frame asks to be answered; the server turns it into the engine's
+    SamplingParams within its limits."""
+
     max_tokens: int | None = None  # None: the server's default
     temperature: float = 0.7  # 0 is greedy
     top_p: float = 0.95
@@ -75,7 +78,7 @@ class Resume(_ClientFrame, tag="resume", omit_defaults=True):
 
 class User(_ClientFrame, tag="user"):
     content: str
-    params: Sampling = msgspec.field(default_factory=Sampling)
+    params: UserParams = msgspec.field(default_factory=UserParams)
 
 
 class Cancel(_ClientFrame, tag="cancel"):

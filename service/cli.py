@@ -16,23 +16,25 @@ from collections.abc import Sequence
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
+from service.sessions.prompt import ChatFormat
+
+# The engine options `generate` and `chat` take, as `serve` does (service.api.options).
+CLI_ENGINE_FIELDS = (
+    "model",
+    "dtype",
+    "weight_dtype",
+    "weights",
+    "device",
+    "attention_backend",
+    "num_threads",
+    "cuda_graphs",
+)
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: bundled)"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="activations and KV cache (auto: timed on the CPU)"
-    )
-    parser.add_argument(
-        "--weight-dtype", default="auto", help="matmul weights (auto: as --dtype, or timed)"
-    )
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument(
-        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
-    )
+    from service.api.options import add_arguments
+
+    add_arguments(parser, ["engine"], only=CLI_ENGINE_FIELDS)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -41,14 +43,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        weight_dtype=args.weight_dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        cuda_graphs=not args.no_cuda_graphs,
-    )
+    from service.api.options import values
+
+    config = EngineConfig(**values(args, "engine", only=CLI_ENGINE_FIELDS))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -81,21 +78,18 @@ def _stream_answer(
 
 def generate(args: argparse.Namespace) -> int:
     engine, params = _build(args)
-    messages = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.prompt})
-    prompt = engine.tokenizer.apply_chat_template(messages)
+    prompt = ChatFormat(engine.tokenizer).first_prompt(args.system or None, args.prompt)
     _stream_answer(engine, "generate", prompt, params)
     return 0
 
 
 def chat(args: argparse.Namespace) -> int:
+    """As the service answers a session: every turn's prompt is the conversation's ids so far,
+    exactly as the model saw them (a prefix-cache hit), plus the new user turn's."""
     engine, params = _build(args)
-    tok = engine.tokenizer
+    chat_format = ChatFormat(engine.tokenizer)
     print("pagechat: type a message; an empty line or Ctrl-D quits", file=sys.stderr)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[int] = []  # the conversation's ids exactly as the model saw them
+    history: list[int] = []
     for turn in itertools.count():
         try:
             text = input("> ")
@@ -103,18 +97,12 @@ def chat(args: argparse.Namespace) -> int:
             break
         if not text.strip():
             break
-        messages.append({"role": "user", "content": text})
-        prompt = tok.apply_chat_template(messages)
         if history:
-            # Earlier turns keep their stored ids (a prefix-cache hit); only the new turn is
-            # rendered. Re-tokenizing generated text need not give back the same ids.
-            before = tok.apply_chat_template(messages[:-1], add_generation_prompt=False)
-            if prompt[: len(before)] == before:
-                prompt = history + prompt[len(before) :]
+            prompt = chat_format.next_prompt(history, text)
+        else:
+            prompt = chat_format.first_prompt(args.system or None, text)
         answer = _stream_answer(engine, f"turn-{turn}", prompt, params)
-        messages.append({"role": "assistant", "content": tok.decode(answer, True)})
-        ended = bool(answer) and answer[-1] in tok.eos_token_ids
-        history = prompt + answer + tok.encode("\n") if ended else []
+        history = prompt + answer + chat_format.close_turn(answer)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Import-graph seams: the wire protocol stands alone; the clients speak it without the server.
+"""Import-graph seams: the wire protocol stands alone; the clients speak it without the server;
+no two modules of the service import each other, however indirectly.
 
 Read from the source with an ast walk (imports under `TYPE_CHECKING` and inside functions
 count too), so a seam broken in any module fails here, not when someone ships a client.
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
-    """Every module `path` imports, absolute names, wherever in the file the import stands."""
+    """Every module `path` imports, absolute names, wherever in the file the import stands;
+    for `from a import b`, `a` and `a.b` (b may be a module of package a)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     names: set[str] = set()
@@ -27,9 +29,11 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 prefix = ".".join(base)
-                names.add(f"{prefix}.{node.module}" if node.module else prefix)
+                module = f"{prefix}.{node.module}" if node.module else prefix
             elif node.module is not None:
-                names.add(node.module)
+                module = node.module
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -39,6 +43,56 @@ def modules_under(package: str) -> list[Path]:
 
 def top_level(name: str) -> str:
     return name.split(".", 1)[0]
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module of `package` and the modules of `package` it imports. `from a import b`
+    names module `a.b` when there is one, else `a`; a package's own `__init__` is left out,
+    as importing a submodule runs it whatever the graph says."""
+    paths = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    packages = {module_name(p, root) for p in paths.values() if p.name == "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = set()
+        for imported in imported_modules(path, root):
+            parts = imported.split(".")
+            for end in range(len(parts), 0, -1):  # the longest prefix that is a module
+                target = ".".join(parts[:end])
+                if target in paths:
+                    if target != name and target not in packages:
+                        edges.add(target)
+                    break
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` as a path (`a, b, a`), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        path.append(node)
+        for target in sorted(graph[node]):
+            if cycle := visit(target):
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if cycle := visit(node):
+            return cycle
+    return None
 
 
 @pytest.mark.parametrize("path", modules_under("clients"), ids=lambda p: p.name)
@@ -54,6 +108,34 @@ def test_protocol_depends_on_msgspec_and_the_standard_library_only(path: Path) -
     assert not outside, f"{path.relative_to(ROOT)} imports {sorted(outside)}"
 
 
+def test_no_service_modules_import_each_other_in_a_circle() -> None:
+    cycle = find_cycle(import_graph("service"))
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_a_circle_through_a_type_checking_import_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("from pkg.c import C\n")
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n"
+    )
+    (package / "d.py").write_text("import pkg.a\n")
+    graph = import_graph("pkg", root=tmp_path)
+    assert graph == {
+        "pkg": set(),
+        "pkg.a": {"pkg.b"},
+        "pkg.b": {"pkg.c"},
+        "pkg.c": {"pkg.a"},
+        "pkg.d": {"pkg.a"},
+    }
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (package / "c.py").write_text("")
+    assert find_cycle(import_graph("pkg", root=tmp_path)) is None
+
+
 def test_the_walk_finds_relative_and_type_checking_imports(tmp_path: Path) -> None:
     module = tmp_path / "a" / "b" / "c.py"
     module.parent.mkdir(parents=True)
@@ -67,9 +149,9 @@ def test_the_walk_finds_relative_and_type_checking_imports(tmp_path: Path) -> No
         "    import service.engine\n"
     )
     assert imported_modules(module, root=tmp_path) == {
-        "typing",
-        "a.b.x",
-        "a",
-        "service.api.service",
+        *("typing", "typing.TYPE_CHECKING"),
+        *("a.b.x", "a.b.x.y"),
+        *("a", "a.z"),
+        *("service.api.service", "service.api.service.ChatService"),
         "service.engine",
     }

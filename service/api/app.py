@@ -1,6 +1,6 @@
 """The Starlette app: /v1/chat (WebSocket), the OpenAI-compatible /v1/chat/completions and
 /v1/models, /health, /v1/stats, /v1/kv and /metrics; the browser chat page at / and the live
-KV page map at /kv, and their icon at /favicon.ico."""
+view of the KV pools at /kv, and their icon at /favicon.ico."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from service.api import pagemap, stats
-from service.api.auth import guarded
+from service.api import kv_view, stats
 from service.api.connection import ChatConnection
+from service.api.guard import Guard
 from service.api.openai import ChatCompletions, http_error
 from service.api.service import ChatService
-from service.engine.async_engine import EngineDeadError
+from service.engine.serving import EngineDeadError
 
 _json = msgspec.json.Encoder()
 WEB = Path(__file__).with_name("web")
-# A page map waits for the step in flight to end; a step takes well under this.
-PAGE_MAP_TIMEOUT_S = 10.0
+# A KV snapshot waits for the step in flight to end; a step takes well under this.
+KV_SNAPSHOT_TIMEOUT_S = 10.0
 MAX_LAG_WINDOW_S = 600.0  # the loop-lag monitor keeps this long (LoopLagMonitor.keep_s)
 # The pages' icon, a speech bubble: without one every page view logs a 404 for /favicon.ico.
 FAVICON_SVG = (
@@ -65,7 +65,7 @@ def create_app(service: ChatService) -> Starlette:
             problems.append(f"redis: {exc}")
         if problems:
             return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
-        return JSONResponse({"status": "ok", "model": service.model_id})
+        return JSONResponse({"status": "ok", "model": service.engine.model_id})
 
     async def stats_json(request: Request) -> Response:
         try:
@@ -91,20 +91,21 @@ def create_app(service: ChatService) -> Starlette:
             )
         try:
             snapshot = await asyncio.wait_for(
-                service.engine.page_map(max_sequences), PAGE_MAP_TIMEOUT_S
+                service.engine.kv_snapshot(max_sequences), KV_SNAPSHOT_TIMEOUT_S
             )
         except (EngineDeadError, TimeoutError) as exc:
-            return JSONResponse({"error": f"no page map: {exc!r}"}, status_code=503)
-        return Response(_json.encode(pagemap.view(snapshot)), media_type="application/json")
+            return JSONResponse({"error": f"no KV snapshot: {exc!r}"}, status_code=503)
+        return Response(_json.encode(kv_view.view(snapshot)), media_type="application/json")
 
     completions = ChatCompletions(service)
+    guarded = Guard(service.gate, service.metrics)
     chat_page = (WEB / "chat.html").read_text()
     kv_page = (WEB / "kv.html").read_text()
 
     async def index(request: Request) -> Response:
         return HTMLResponse(chat_page)
 
-    async def kv_view(request: Request) -> Response:
+    async def kv_page_view(request: Request) -> Response:
         return HTMLResponse(kv_page)
 
     async def favicon(request: Request) -> Response:
@@ -124,15 +125,15 @@ def create_app(service: ChatService) -> Starlette:
             Route("/health", health),
             # API keys, when on (service.api.auth): an admin's for the server's insides, any
             # for the model; /health and /metrics stay open (probes and scrapers).
-            Route("/v1/stats", guarded(service, stats_json, admin=True)),
-            Route("/v1/kv", guarded(service, kv_json, admin=True)),
-            Route("/v1/chat/completions", guarded(service, completions.create), methods=["POST"]),
-            Route("/v1/completions", guarded(service, completions.create_text), methods=["POST"]),
-            Route("/v1/models", guarded(service, completions.models)),
-            Route("/v1/models/{name:path}", guarded(service, completions.model)),
+            Route("/v1/stats", guarded(stats_json, admin=True)),
+            Route("/v1/kv", guarded(kv_json, admin=True)),
+            Route("/v1/chat/completions", guarded(completions.create), methods=["POST"]),
+            Route("/v1/completions", guarded(completions.create_text), methods=["POST"]),
+            Route("/v1/models", guarded(completions.models)),
+            Route("/v1/models/{name:path}", guarded(completions.model)),
             Route("/metrics", metrics),
             Route("/", index),
-            Route("/kv", kv_view),
+            Route("/kv", kv_page_view),
             Route("/favicon.ico", favicon),
         ],
         lifespan=lifespan,

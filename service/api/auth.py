@@ -18,23 +18,20 @@ import hmac
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
-from starlette.requests import HTTPConnection, Request
-from starlette.responses import Response
+from starlette.requests import HTTPConnection
 
-from protocol.frames import ErrorCode, FrameError
 from service.api.config import normalize_origin
 from service.api.limiter import AttemptLimiter
-from service.api.openai_request import OpenAIError
+from service.api.refusal import Refusal, RefusalReason
 
 if TYPE_CHECKING:
     from service.api.config import ServerConfig
-    from service.api.service import ChatService
 
 DEFAULT_TENANT = "default"
 MIN_KEY_CHARS = 16
@@ -154,7 +151,7 @@ class ResumeAttempt:
         self._session = f"{tenant}/{session_id}"  # ids are per tenant
 
     def check(self) -> None:
-        """FrameError(too_many_attempts) while the address or the session is refused."""
+        """Refusal(too_many_attempts) while the address or the session is refused."""
         self._gate.check(self._address, self._session)
 
     def failed(self) -> None:
@@ -194,14 +191,14 @@ class Gate:
             waits.append(self.sessions.retry_after(session))
         wait = max((w for w in waits if w is not None), default=None)
         if wait is not None:
-            raise FrameError(
-                ErrorCode.TOO_MANY_ATTEMPTS,
+            raise Refusal(
+                RefusalReason.TOO_MANY_ATTEMPTS,
                 f"too many failed attempts; retry in {math.ceil(wait)} s",
                 retry_after_s=round(wait, 3),
             )
 
     def authenticate(self, key: str | None, address: str) -> Principal:
-        """Whom `key` speaks for; FrameError (unauthorized, too_many_attempts) if no one.
+        """Whom `key` speaks for; Refusal (unauthorized, too_many_attempts) if no one.
 
         A wrong key counts against the address; a missing one does not (it guesses nothing).
         """
@@ -209,15 +206,15 @@ class Gate:
             return OPEN
         self.check(address)
         if key is None:
-            raise FrameError(
-                ErrorCode.UNAUTHORIZED,
+            raise Refusal(
+                RefusalReason.UNAUTHORIZED,
                 "this server needs an API key: `Authorization: Bearer KEY`, or `api_key` in "
                 "open/resume",
             )
         principal = self.keys.lookup(key)
         if principal is None:
             self.addresses.fail(address)
-            raise FrameError(ErrorCode.UNAUTHORIZED, "the API key is not valid")
+            raise Refusal(RefusalReason.UNAUTHORIZED, "the API key is not valid")
         return principal
 
     def resume_attempt(self, address: str, tenant: str, session_id: str) -> ResumeAttempt:
@@ -244,52 +241,6 @@ class Gate:
         except ValueError:
             return False
         return origin == own
-
-
-# ---------------------------------------------------------------------- HTTP
-
-
-_STATUS = {ErrorCode.UNAUTHORIZED: 401, ErrorCode.TOO_MANY_ATTEMPTS: 429}
-_OPENAI_CODE = {ErrorCode.UNAUTHORIZED: "invalid_api_key"}
-
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-def guarded(service: ChatService, endpoint: Endpoint, *, admin: bool = False) -> Endpoint:
-    """`endpoint` behind the API keys (an admin key if `admin`), refusing in OpenAI's error
-    shape: 401 without a valid key, 403 for a key that is not an admin's, 429 while the
-    address is refused. The caller's principal is `principal_of(request)`."""
-
-    async def guard(request: Request) -> Response:
-        try:
-            principal = service.gate.authenticate(bearer(request.headers), client_address(request))
-        except FrameError as exc:
-            return _refusal(service, exc)
-        if admin and not principal.admin:
-            error = OpenAIError(403, "this endpoint needs an admin key", "permission_denied")
-            service.metrics.errors.labels(error.code).inc()
-            return error.response()
-        request.state.principal = principal
-        return await endpoint(request)
-
-    return guard
-
-
-def principal_of(request: Request) -> Principal:
-    """Whom a `guarded` request speaks for."""
-    principal: Principal = request.state.principal
-    return principal
-
-
-def _refusal(service: ChatService, exc: FrameError) -> Response:
-    service.metrics.errors.labels(exc.code.value).inc()
-    error = OpenAIError(_STATUS[exc.code], exc.message, _OPENAI_CODE.get(exc.code, exc.code.value))
-    response = error.response()
-    if exc.code is ErrorCode.UNAUTHORIZED:
-        response.headers["WWW-Authenticate"] = "Bearer"
-    if exc.retry_after_s is not None:
-        response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
-    return response
 
 
 def cache_salt_for(tenant: str, cache_salt: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """Server settings: where to listen, which Redis, and every limit in one dataclass.
 
 `pagechat serve` fills these from its options, each of which defaults to a PAGECHAT_*
-environment variable (see `service.api.server`).
+environment variable; both are made from the fields here (`service.api.options`).
 """
 
 from __future__ import annotations
@@ -13,30 +13,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from service.engine.config import EngineConfig
+from service.settings import setting
 
 
 @dataclass(slots=True)
 class Limits:
     """What one client may ask for, and what the server takes on at once.
 
-    Every limit is enforced with an error frame (docs/protocol.md), never a crash.
+    Every limit is enforced with an error (docs/protocol.md), never a crash.
     """
 
-    max_connections: int = 512  # open WebSockets; the next one gets too_many_connections
-    max_inflight_turns: int = 256  # answers queued or running; the next gets overloaded
-    max_frame_bytes: int = 64 * 1024  # larger frames get frame_too_large
-    # The transport's own cap: larger frames close the connection (1009) before we see them.
-    ws_max_size: int = 1024 * 1024
-    max_message_chars: int = 16_000  # a user message's content
-    max_system_chars: int = 8_000  # a session's system prompt
-    default_max_tokens: int = 512
-    max_tokens: int = 2048  # the most a user message may ask for
-    session_ttl_s: int = 7 * 24 * 3600  # Redis keys expire this long after the last activity
-    drain_timeout_s: float = 10.0  # on shutdown, answers get this long to finish
-    # A client that lets this many frames queue up, or leaves one unread this long, is dropped
-    # (its answer is stored as far as it got).
-    send_queue_frames: int = 1024
-    send_timeout_s: float = 15.0
+    max_connections: int = setting(
+        512,
+        "open WebSockets; the next one gets `too_many_connections`. Also the size of the Redis"
+        " connection pool, which waits up to 10 s for a free connection rather than failing",
+    )
+    max_inflight_turns: int = setting(
+        256, "answers queued or running, WebSocket and HTTP; the next one gets `overloaded`"
+    )
+    max_frame_bytes: int = setting(
+        64 * 1024, "largest frame a client may send; a larger one gets `frame_too_large`"
+    )
+    ws_max_size: int = setting(
+        1024 * 1024,
+        "the transport's own cap (>= `max_frame_bytes`): a larger frame closes the connection"
+        " (1009) before the server reads it; also the largest HTTP body",
+    )
+    max_message_chars: int = setting(16_000, "characters in a user message or a prompt")
+    max_system_chars: int = setting(8_000, "characters in a system prompt")
+    default_max_tokens: int = setting(512, "an answer's max_tokens when it gives none")
+    max_tokens: int = setting(2048, "the most max_tokens an answer may ask for")
+    session_ttl_s: int = setting(
+        7 * 24 * 3600,
+        "seconds a session's Redis keys live after its latest activity (open, resume, a turn)",
+    )
+    drain_timeout_s: float = setting(
+        10.0,
+        "seconds answers in flight get at shutdown; the rest are cancelled, stored and"
+        " reported `shutdown`",
+    )
+    send_queue_frames: int = setting(
+        1024, "frames queued for one client before it counts as stalled"
+    )
+    send_timeout_s: float = setting(
+        15.0,
+        "seconds a client may leave a frame unread (or the queue full) before it is dropped,"
+        " its answer stored as far as it got",
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,30 +87,69 @@ class Limits:
 
 @dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (logged at start-up)
-    uds: str | None = None  # a Unix socket to listen on instead (behind a local proxy)
-    redis_url: str | None = None  # None: an embedded Redis persisting under data_dir
-    redis_prefix: str = "pagechat:"
-    data_dir: Path = Path("data")
-    replica_id: str = field(default_factory=socket.gethostname)
+    """Each field but `engine` and `limits` (groups of their own) is an option of `pagechat
+    serve` (service.api.options) and a row of docs/config.md, both written from its help."""
+
+    host: str = setting("127.0.0.1", "interface to listen on")
+    port: int = setting(8000, "port to listen on (0: any free port, logged at start-up)")
+    uds: str | None = setting(
+        None, "listen on this Unix socket instead of `host` and `port` (behind a local proxy)"
+    )
+    redis_url: str | None = setting(
+        None,
+        "the Redis to keep sessions in: redis://, rediss://, unix:// or redis+sentinel://"
+        " (docs/deploy.md); none: an embedded Redis persisting under `data_dir`",
+    )
+    redis_prefix: str = setting("pagechat:", "prefix of every Redis key")
+    data_dir: Path = setting(Path("data"), "where the embedded Redis persists")
+    replica_id: str = setting(
+        default_factory=socket.gethostname,
+        doc="this replica's name in page maps and as a session's owner",
+        shown_default="the host's name",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
-    lag_interval_s: float = 0.05  # the event-loop lag probe's sleep
-    access_log: bool = False
-    # Who shares prefix-cache blocks within a tenant: "session" (default): across sessions
-    # only the template's prefix and the system prompt; "global": everything, as before.
-    prefix_cache_scope: str = "session"
-    # Who may come in (service.api.auth). No keys file: no keys, one tenant, all open.
-    api_keys_file: Path | None = None
-    # Origins whose pages may open /v1/chat besides the server's own; "*": any page.
-    allowed_origins: tuple[str, ...] = ()
-    # Peers (addresses or networks) whose X-Forwarded-For names the client; none by default.
-    trusted_proxies: tuple[str, ...] = ()
-    # The model names the OpenAI endpoints answer to, the first listed; none: the model's id.
-    served_model_names: tuple[str, ...] = ()
-    # Origins whose pages may call the HTTP API (CORS); "*": any. None by default: no CORS.
-    cors_allowed_origins: tuple[str, ...] = ()
+    lag_interval_s: float = setting(0.05, "seconds the event-loop lag probe sleeps each time")
+    access_log: bool = setting(False, "log every HTTP request and WebSocket")
+    log_level: str = setting("info", "debug | info | warning | error | critical")
+    prefix_cache_scope: str = setting(
+        "session",
+        "who shares prefix-cache blocks within a tenant. session: across sessions, only the"
+        " blocks wholly inside the template's prefix and the system prompt | global: every"
+        " block ([protocol.md](protocol.md#who-shares-cached-blocks))",
+    )
+    api_keys_file: Path | None = setting(
+        None,
+        "API keys, one `KEY TENANT [admin]` a line, `#` comments; a key is 16+ characters or"
+        " `sha256:` and its SHA-256 in hex. Read once at start-up; a file that cannot be used"
+        " stops the start with its line named (exit status 2). None: no keys, every endpoint"
+        " open, one tenant `default` ([protocol.md](protocol.md#access))",
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "comma-separated `http[s]://host[:port]` whose pages may open /v1/chat besides the"
+        " server's own origin; `*` for any. A handshake without `Origin` (not a browser) is"
+        " always accepted",
+    )
+    trusted_proxies: tuple[str, ...] = setting(
+        (),
+        "comma-separated addresses or networks (`10.0.0.5`, `172.16.0.0/12`) of proxies whose"
+        " `X-Forwarded-For` names the client, for the failed-attempt counts. None:"
+        " `X-Forwarded-For` is ignored (uvicorn's own default, trusting 127.0.0.1, is not used)",
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "comma-separated names the OpenAI endpoints answer to (vLLM's option); /v1/models"
+        " lists the first, which is also every metric's `model_name` label (protocol.md,"
+        " Metrics), and a request naming any other model gets a 404 `model_not_found`",
+        shown_default="the model's id",
+    )
+    cors_allowed_origins: tuple[str, ...] = setting(
+        (),
+        "comma-separated `http[s]://host[:port]` whose pages may call the HTTP API (CORS,"
+        " preflights answered, GET and POST); `*` for any. None: no CORS headers, so pages"
+        " elsewhere cannot read the answers. /v1/chat is governed by `allowed_origins`",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +158,8 @@ class ServerConfig:
             raise ValueError("prefix_cache_scope must be session or global")
         if self.lag_interval_s <= 0:
             raise ValueError("lag_interval_s must be > 0")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError("log_level must be debug, info, warning, error or critical")
         self.data_dir = Path(self.data_dir)
         if self.api_keys_file is not None:
             self.api_keys_file = Path(self.api_keys_file)

@@ -34,12 +34,14 @@ from protocol.frames import (
     FrameError,
     Open,
     Resume,
-    Sampling,
     ServerFrame,
     SessionOpened,
     User,
+    UserParams,
 )
 from service.api.auth import bearer, client_address
+from service.api.refusal import Refusal, RefusalReason
+from service.api.sampling import Refused, SamplingRefused, sampling_params
 from service.api.sender import ClientGone, FrameSender
 from service.api.turn import Turn
 from service.engine.params import SamplingParams
@@ -58,6 +60,22 @@ _CLOSE_CODE = {
     ErrorCode.SHUTTING_DOWN: CLOSE_SERVICE_RESTART,
     ErrorCode.TOO_MANY_CONNECTIONS: CLOSE_TRY_AGAIN_LATER,
 }
+# What each refusal of the service is on this transport: the error code, and whether the
+# connection closes after it (a server that is going away, or full, keeps nobody waiting).
+_REFUSAL_FRAME = {
+    RefusalReason.SHUTTING_DOWN: (ErrorCode.SHUTTING_DOWN, True),
+    RefusalReason.TOO_MANY_CONNECTIONS: (ErrorCode.TOO_MANY_CONNECTIONS, True),
+    RefusalReason.BUSY: (ErrorCode.BUSY, False),
+    RefusalReason.OVERLOADED: (ErrorCode.OVERLOADED, False),
+    RefusalReason.UNAUTHORIZED: (ErrorCode.UNAUTHORIZED, False),
+    RefusalReason.TOO_MANY_ATTEMPTS: (ErrorCode.TOO_MANY_ATTEMPTS, False),
+}
+
+
+def refusal_frame(refusal: Refusal) -> FrameError:
+    """A refusal of the service (or the gate) as this protocol's error."""
+    code, fatal = _REFUSAL_FRAME[refusal.reason]
+    return FrameError(code, refusal.message, fatal=fatal, retry_after_s=refusal.retry_after_s)
 
 
 class State(enum.Enum):
@@ -124,9 +142,9 @@ class ChatConnection:
         refusal = self.service.admit(self)
         try:
             if refusal is not None:
-                await self._send_error(refusal)
-                shutting_down = refusal.code is ErrorCode.SHUTTING_DOWN
-                await self._close(CLOSE_SERVICE_RESTART if shutting_down else CLOSE_TRY_AGAIN_LATER)
+                error = refusal_frame(refusal)
+                await self._send_error(error)
+                await self._close(_CLOSE_CODE.get(error.code, CLOSE_TRY_AGAIN_LATER))
                 return
             await self._read_frames()
         except ClientGone:
@@ -168,10 +186,11 @@ class ChatConnection:
                     message.get("text"), message.get("bytes"), limits.max_frame_bytes
                 )
                 await self._dispatch(frame, time.monotonic())
-            except FrameError as exc:  # a refused frame ends the connection only if fatal
-                await self._send_error(exc)
-                if exc.fatal:
-                    await self._close(_CLOSE_CODE.get(exc.code, CLOSE_POLICY_VIOLATION))
+            except (FrameError, Refusal) as exc:  # a refused frame ends it only if fatal
+                error = refusal_frame(exc) if isinstance(exc, Refusal) else exc
+                await self._send_error(error)
+                if error.fatal:
+                    await self._close(_CLOSE_CODE.get(error.code, CLOSE_POLICY_VIOLATION))
                     return
 
     async def _receive(self) -> Message | None:
@@ -217,7 +236,7 @@ class ChatConnection:
             )
         store = service.store_for(principal.tenant)
         try:
-            new = await store.create(model_id=service.model_id, system=frame.system)
+            new = await store.create(model_id=service.engine.model_id, system=frame.system)
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
         self.session_id = new.meta.session_id
@@ -286,11 +305,14 @@ class ChatConnection:
         assert self.session_id is not None
         refusal = self.service.begin_turn(self.session_id)
         if refusal is not None:
-            raise refusal
+            raise refusal_frame(refusal)
         self._move(State.STREAMING)
         assert self.store is not None and self.tenant is not None  # set with the session
+        service = self.service
         turn = Turn(
-            self.service,
+            service.engine,
+            service.conversations,
+            service.metrics,
             self.store,
             self.tenant,
             self.session_id,
@@ -302,32 +324,25 @@ class ChatConnection:
         self._turn = turn
         self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
 
-    def _params(self, sampling: Sampling) -> SamplingParams:
+    def _params(self, asked: UserParams) -> SamplingParams:
         limits = self.service.config.limits
-        if sampling.max_tokens is not None and sampling.max_tokens < 1:
-            # 0 is no answer at all, never "the default": that is what leaving it out means.
-            raise FrameError(
-                ErrorCode.INVALID_PARAMS, "max_tokens must be >= 1 (omit it for the default)"
-            )
-        max_tokens = sampling.max_tokens or limits.default_max_tokens
-        if max_tokens > limits.max_tokens:
-            raise FrameError(
-                ErrorCode.MAX_TOKENS_TOO_LARGE,
-                f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}",
-            )
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=sampling.seed,
-                stop=tuple(sampling.stop),
-                ignore_eos=sampling.ignore_eos,
-                logprobs=sampling.logprobs,
+            return sampling_params(
+                limits,
+                max_tokens=asked.max_tokens,
+                default_max_tokens=limits.default_max_tokens,
+                temperature=asked.temperature,
+                top_p=asked.top_p,
+                top_k=asked.top_k,
+                seed=asked.seed,
+                stop=tuple(asked.stop),
+                ignore_eos=asked.ignore_eos,
+                logprobs=asked.logprobs,
             )
-        except ValueError as exc:
-            raise FrameError(ErrorCode.INVALID_PARAMS, str(exc)) from None
+        except SamplingRefused as exc:
+            over = exc.why is Refused.OVER_LIMIT
+            code = ErrorCode.MAX_TOKENS_TOO_LARGE if over else ErrorCode.INVALID_PARAMS
+            raise FrameError(code, str(exc)) from None
 
     async def _answer(self, turn: Turn) -> None:
         try:

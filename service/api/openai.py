@@ -26,8 +26,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from protocol.frames import ErrorCode, FrameError
-from service.api.auth import cache_salt_for, principal_of
+from service.api.auth import cache_salt_for
+from service.api.guard import principal_of
 from service.api.openai_answer import Answer, AnyRequest
 from service.api.openai_completions import (
     CompletionRequest,
@@ -35,7 +35,7 @@ from service.api.openai_completions import (
     completion_prompt,
     decode_completion_request,
 )
-from service.api.openai_errors import OpenAIError, model_not_found
+from service.api.openai_errors import OpenAIError, model_not_found, refusal_error
 from service.api.openai_request import (
     ChatCompletionRequest,
     decode_request,
@@ -48,9 +48,6 @@ from service.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
-
-# What an admission refusal of ChatService.begin_turn becomes here.
-STATUS_OF = {ErrorCode.SHUTTING_DOWN: 503, ErrorCode.OVERLOADED: 429}
 
 _json = msgspec.json.Encoder()
 
@@ -91,18 +88,20 @@ class ChatCompletions:
         return await self._answer(request, self._text)
 
     def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine.engine, self.service.config.limits
+        engine, limits = self.service.engine, self.service.config.limits
+        max_model_len = engine.limits.max_model_len
         req = decode_request(body, self.names)
-        prompt = render_prompt(req, self.service.chat_format, limits, engine.max_model_len)
+        prompt = render_prompt(req, self.service.chat_format, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
-        return req, prompt, sampling_params(req, limits, len(prompt), engine.max_model_len, vocab)
+        return req, prompt, sampling_params(req, limits, len(prompt), max_model_len, vocab)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine.engine, self.service.config.limits
+        engine, limits = self.service.engine, self.service.config.limits
+        max_model_len = engine.limits.max_model_len
         req = decode_completion_request(body, self.names)
-        prompt = completion_prompt(req, engine.tokenizer, limits, engine.max_model_len)
+        prompt = completion_prompt(req, engine.tokenizer, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
-        return req, prompt, completion_params(req, limits, len(prompt), engine.max_model_len, vocab)
+        return req, prompt, completion_params(req, limits, len(prompt), max_model_len, vocab)
 
     async def _answer(
         self,
@@ -117,9 +116,10 @@ class ChatCompletions:
         except OpenAIError as exc:
             return self._error(exc)
         key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
-        refused = self.service.begin_turn(key)
-        if refused is not None:
-            return self._error(_refusal(refused))
+        refusal = self.service.begin_turn(key)
+        if refusal is not None:
+            self.service.metrics.errors.labels(refusal.reason.value).inc()
+            return refusal_error(refusal).response()
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
         model = req.model or self.names[0]  # answers name the model as it was asked for
         completion = Answer(self.service, req, prompt, params, key, received, scope, model)
@@ -142,9 +142,7 @@ class ChatCompletions:
 
     def _error(self, exc: OpenAIError) -> Response:
         self.service.metrics.errors.labels(exc.code).inc()
-        # NOTE: an overloaded server is usually free again within a second or two.
-        headers = {"Retry-After": "1"} if exc.code == ErrorCode.OVERLOADED.value else None
-        return exc.response(headers)
+        return exc.response()
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -177,8 +175,3 @@ async def _body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise OpenAIError(413, f"the body exceeds {limit} bytes", "request_too_large")
     return body
-
-
-def _refusal(error: FrameError) -> OpenAIError:
-    status = STATUS_OF.get(error.code, 503)
-    return OpenAIError(status, error.message, error.code.value)

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
+from service.api.meter import AnswerMeter
 from service.api.openai_completions import CompletionRequest
 from service.api.openai_errors import OpenAIError, invalid
 from service.api.openai_request import ChatCompletionRequest, StreamOptions
-from service.engine.async_engine import EngineDeadError
 from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from service.engine.sequence import FinishReason
+from service.engine.serving import EngineDeadError
 
 if TYPE_CHECKING:
     from service.api.service import ChatService
@@ -49,16 +50,15 @@ class Answer:
         self.prompt = prompt
         self.params = params
         self.key = key  # its slot among the server's in-flight answers
-        self.received = received
         self.chat = isinstance(req, ChatCompletionRequest)  # else a text completion
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.tokenizer = service.engine.engine.tokenizer
+        self.tokenizer = service.engine.tokenizer
         # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0
-        self._last_token_at: float | None = None
+        self.meter = AnswerMeter(service.metrics, received)
         self._reasons: list[str] = []  # finish reason of each sample that finished
         self._offsets = [0] * params.n  # each text choice's length so far (text_offset)
         self._closed = False
@@ -69,13 +69,9 @@ class Answer:
             return
         self._closed = True
         self.service.end_turn(self.key)
-        metrics = self.service.metrics
-        metrics.e2e_latency.observe(time.monotonic() - self.received)
-        finished = len(self._reasons)
-        for reason in self._reasons:
-            metrics.turns.labels(reason).inc()
-        if finished < self.params.n:  # the client left, or the engine failed, first
-            metrics.turns.labels("disconnected").inc(self.params.n - finished)
+        # Samples that did not finish: the client left, or the engine failed, first.
+        unfinished = ["disconnected"] * (self.params.n - len(self._reasons))
+        self.meter.end([*self._reasons, *unfinished])
 
     def _outputs(self) -> AsyncIterator[RequestOutput]:
         return self.service.engine.generate(
@@ -200,16 +196,7 @@ class Answer:
         self.completion_tokens += len(out.new_token_ids)
         if out.finished:
             self._reasons.append(_finish(out.finish_reason))
-        if not out.new_token_ids:
-            return
-        metrics, now = self.service.metrics, time.monotonic()
-        if self._last_token_at is None:
-            metrics.time_to_first_token.observe(now - self.received)
-            if out.first_scheduled_time is not None:
-                metrics.queue_time.observe(max(0.0, out.first_scheduled_time - self.received))
-        else:
-            metrics.inter_token_latency.observe(now - self._last_token_at)
-        self._last_token_at = now
+        self.meter.output(out)
 
     def _chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> bytes:
         chunk: dict[str, Any] = {
@@ -235,4 +222,6 @@ def _failure(exc: Exception) -> OpenAIError:
 
 
 def _finish(reason: FinishReason | None) -> str:
+    """The engine's finish reason in OpenAI's words: `length` is length, `stop` stop. (The
+    engine's `abort` never reaches here: an answer aborts only by leaving its stream.)"""
     return "length" if reason is FinishReason.LENGTH else "stop"

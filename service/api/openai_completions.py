@@ -11,7 +11,6 @@ import msgspec
 
 from service.api.config import Limits
 from service.api.openai_errors import (
-    OpenAIError,
     context_exceeded,
     decode_error,
     invalid,
@@ -124,18 +123,14 @@ def completion_params(
 ) -> SamplingParams:
     room = max_model_len - prompt_tokens
     default = min(DEFAULT_MAX_TOKENS, limits.max_tokens, room)
-    try:
-        return engine_params(
-            req,
-            limits,
-            prompt_tokens,
-            max_model_len,
-            req.max_tokens,
-            default,
-            req.logprobs,
-            vocab_size,
-        )
-    except OpenAIError as exc:
-        if exc.param == "top_logprobs":  # the chat request's name for it
-            exc.param = "logprobs"
-        raise
+    return engine_params(
+        req,
+        limits,
+        prompt_tokens,
+        max_model_len,
+        req.max_tokens,
+        default,
+        req.logprobs,
+        vocab_size,
+        logprobs_param="logprobs",
+    )

@@ -3,6 +3,7 @@ the OpenAI endpoints answer with."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -10,16 +11,25 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
+from service.api.refusal import Refusal, RefusalReason
+
 _json = msgspec.json.Encoder()
 
 
 class OpenAIError(Exception):
     def __init__(
-        self, status: int, message: str, code: str, param: str | None = None, kind: str = ""
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        kind: str = "",
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = dict(headers or {})  # e.g. Retry-After, sent with the response
 
     def body(self) -> dict[str, Any]:
         return {
@@ -33,8 +43,36 @@ class OpenAIError(Exception):
 
     def response(self, headers: Mapping[str, str] | None = None) -> Response:
         return Response(
-            _json.encode(self.body()), self.status, headers, media_type="application/json"
+            _json.encode(self.body()),
+            self.status,
+            {**self.headers, **(headers or {})},
+            media_type="application/json",
         )
+
+
+# What each refusal of the service is over HTTP: (status, OpenAI's error code).
+_REFUSAL_STATUS = {
+    RefusalReason.SHUTTING_DOWN: (503, "shutting_down"),
+    RefusalReason.TOO_MANY_CONNECTIONS: (503, "too_many_connections"),
+    RefusalReason.BUSY: (503, "busy"),
+    RefusalReason.OVERLOADED: (429, "overloaded"),
+    RefusalReason.UNAUTHORIZED: (401, "invalid_api_key"),
+    RefusalReason.TOO_MANY_ATTEMPTS: (429, "too_many_attempts"),
+}
+
+
+def refusal_error(refusal: Refusal) -> OpenAIError:
+    """A refusal of the service (or the gate) as an HTTP error, with the headers that tell a
+    client what to do: when to retry, and that a bearer key is wanted."""
+    status, code = _REFUSAL_STATUS[refusal.reason]
+    headers = {}
+    if refusal.reason is RefusalReason.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = "Bearer"
+    if refusal.retry_after_s is not None:
+        headers["Retry-After"] = str(math.ceil(refusal.retry_after_s))
+    elif refusal.reason is RefusalReason.OVERLOADED:
+        headers["Retry-After"] = "1"  # an overloaded server is usually free within a second
+    return OpenAIError(status, refusal.message, code, headers=headers)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from service.api.config import Limits
 from service.api.openai_errors import context_exceeded, invalid
+from service.api.sampling import Refused, SamplingRefused, sampling_params
 from service.engine.params import SamplingParams
 
 
@@ -67,25 +68,22 @@ def engine_params(
     default: int,  # max_tokens when it does not
     logprobs: int | None,  # top log-probabilities per token; None: none at all
     vocab_size: int | None = None,  # logit_bias's token ids are below it
+    logprobs_param: str = "top_logprobs",  # what the request calls `logprobs`
 ) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
     An explicit max_tokens that the context cannot hold is refused (as vLLM does); the
     default should fit what the context has left."""
-    if asked is not None and asked < 1:  # 0 is no answer at all, never "the default"
-        raise invalid("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
-    if asked is not None and asked > limits.max_tokens:
-        raise invalid(f"max_tokens is {asked}; the limit is {limits.max_tokens}", "max_tokens")
-    if asked is not None and prompt_tokens + asked > max_model_len:
-        raise context_exceeded(prompt_tokens, max_model_len, asked)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
-    logit_bias = _logit_bias(req.logit_bias or {}, vocab_size)
     try:
-        return SamplingParams(
-            max_tokens=asked if asked is not None else default,
+        return sampling_params(
+            limits,
+            max_tokens=asked,
+            default_max_tokens=default,
+            room=max_model_len - prompt_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=top_k,
@@ -95,10 +93,12 @@ def engine_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
-            logit_bias=logit_bias,
+            logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
         )
-    except ValueError as exc:
-        raise invalid(str(exc), _field_named(str(exc))) from None
+    except SamplingRefused as exc:
+        if exc.why is Refused.CONTEXT:
+            raise context_exceeded(prompt_tokens, max_model_len, asked or 0) from None
+        raise invalid(str(exc), logprobs_param if exc.param == "logprobs" else exc.param) from None
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
@@ -110,11 +110,3 @@ def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[i
             raise invalid(f"logit_bias: {key!r} is not a token id of this model", "logit_bias")
         pairs.append((token, value))
     return tuple(sorted(pairs))
-
-
-def _field_named(message: str) -> str | None:
-    """The request field a SamplingParams error is about ("top_p must be ..." -> top_p)."""
-    name = message.split(" ", 1)[0]
-    if name == "logprobs":
-        return "top_logprobs"
-    return name if name in SamplingFields.__annotations__ else None

@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 
 from service.api.config import Limits
-from service.api.openai_errors import OpenAIError as OpenAIError  # where auth.py finds it
 from service.api.openai_errors import (
     context_exceeded,
     decode_error,
@@ -26,7 +25,7 @@ from service.api.openai_errors import (
 )
 from service.api.openai_params import engine_params, refuse_penalties
 from service.engine.params import SamplingParams
-from service.sessions.prompt import ChatFormat
+from service.sessions.prompt import ChatFormat, TemplateError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_TOP_LOGPROBS = 20
@@ -213,23 +212,16 @@ def render_prompt(
             "continue_final_message",
         )
     if last == "assistant" and not req.add_generation_prompt:
-        prompt = _continuation(chat, rendered)
+        try:
+            prompt = chat.continuation(rendered)
+        except TemplateError as exc:
+            raise invalid(str(exc), "messages") from None
     else:
-        generation_prompt = req.add_generation_prompt is not False
-        prompt = chat.tokenizer.apply_chat_template(rendered, generation_prompt)
+        add_generation_prompt = req.add_generation_prompt is not False
+        prompt = chat.conversation(rendered, add_generation_prompt=add_generation_prompt)
     if len(prompt) >= max_model_len:
         raise context_exceeded(len(prompt), max_model_len)
     return prompt
-
-
-def _continuation(chat: ChatFormat, rendered: list[dict[str, str]]) -> list[int]:
-    """The conversation with its last (assistant) turn left open: rendered closed, less the
-    tokens the template ends a turn with (ChatFormat.end_of_turn)."""
-    closed = chat.tokenizer.apply_chat_template(rendered, add_generation_prompt=False)
-    end = chat.end_of_turn
-    if closed[-len(end) :] != end:
-        raise invalid("this model's template cannot continue an assistant message", "messages")
-    return closed[: -len(end)]
 
 
 def sampling_params(

@@ -1,218 +1,278 @@
-"""`pagechat serve` options. Each defaults to a PAGECHAT_* environment variable (the option's
-name in capitals, dashes as underscores: --kv-cache-mb <- PAGECHAT_KV_CACHE_MB), then to the
-built-in default. Kept free of the web stack so that building the CLI parser stays cheap.
+"""`pagechat serve` options and docs/config.md's tables, both made from the config fields.
+
+Every field of EngineConfig, ServerConfig and Limits (made with `service.settings.setting`)
+is one option and one environment variable, named after it: `kv_cache_mb` is `--kv-cache-mb`
+and PAGECHAT_KV_CACHE_MB; a bool is `--name` / `--no-name` and PAGECHAT_NAME=true|false. The
+command line wins over the environment, the environment over the field's default. Kept free
+of the web stack so that building the CLI parser stays cheap.
+
+    python -m service.api.options docs/config.md   # rewrite the tables between the markers
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import os
-import socket
-from collections.abc import Callable
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from service.api.config import Limits, ServerConfig
-from service.engine.config import EngineConfig, PreemptionMode
+from service.engine.config import EngineConfig
+from service.settings import HELP, SHOWN_DEFAULT
+
+# Each group's dataclass, in the order of docs/config.md; ServerConfig's `engine` and
+# `limits` fields are the other two groups.
+GROUPS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "limits": Limits}
+_NESTED = frozenset({"engine", "limits"})
+
+# Spellings from before the options were made from the fields: still read, with a warning.
+# Old option -> (field, whether the old option meant the field's opposite).
+RENAMED: dict[str, tuple[str, bool]] = {
+    "--max-tokens-limit": ("max_tokens", False),
+    "--session-ttl": ("session_ttl_s", False),
+    "--drain-timeout": ("drain_timeout_s", False),
+    "--send-timeout": ("send_timeout_s", False),
+    "--no-prefix-caching": ("enable_prefix_caching", True),
+}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _env_name(option: str) -> str:
-    return "PAGECHAT_" + option.upper().replace("-", "_")
-
-
-def _option(
-    parser: argparse.ArgumentParser,
-    name: str,
-    kind: Callable[[str], Any],
-    default: Any,
-    help_text: str,
-) -> None:
-    env = os.environ.get(_env_name(name))
-    value = kind(env) if env is not None else default
-    parser.add_argument(
-        f"--{name}", type=kind, default=value, help=f"{help_text} [{_env_name(name)}; {default}]"
-    )
-
-
-def _flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
-    env = os.environ.get(_env_name(name), "")
-    default = env.lower() in ("1", "true", "yes")
-    parser.add_argument(
-        f"--{name}", action="store_true", default=default, help=f"{help_text} [{_env_name(name)}]"
-    )
-
-
-def _names(value: str) -> tuple[str, ...]:
+def names(value: str) -> tuple[str, ...]:
     """A comma-separated list: "a, b," -> ("a", "b")."""
     return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    e, lim = EngineConfig(), Limits()
-    opt = _option
-    opt(parser, "host", str, "127.0.0.1", "interface to listen on")
-    opt(parser, "port", int, 8000, "port (0: any free port)")
-    opt(parser, "uds", str, None, "listen on this Unix socket instead of --host/--port")
-    opt(parser, "model", str, None, "GGUF file or HF directory (default: bundled SmolLM2-135M)")
-    opt(
-        parser,
-        "dtype",
-        str,
-        e.dtype,
-        "activations and KV cache: auto (bf16 on CUDA; timed on the CPU) | float32 | bfloat16"
-        " | float16",
-    )
-    opt(
-        parser,
-        "weight-dtype",
-        str,
-        e.weight_dtype,
-        "matmul weights: auto (timed on the CPU with --dtype auto, else as --dtype) | float32"
-        " | bfloat16 | float16",
-    )
-    opt(
-        parser,
-        "weights",
-        str,
-        e.weights,
-        "matmul weights' format: auto (as --weight-dtype) | fp32 | bf16 | int8 | int4 (packed,"
-        " CPU; a GGUF's Q4_0/Q4_1 served as stored)",
-    )
-    opt(parser, "device", str, e.device, "auto | cpu | cuda[:N]")
-    opt(parser, "attention-backend", str, e.attention_backend, "auto | torch | triton")
-    opt(parser, "kv-cache-mb", int, e.kv_cache_mb, "device KV cache size")
-    opt(parser, "num-device-blocks", int, None, "device KV blocks (overrides --kv-cache-mb)")
-    opt(parser, "swap-space-mb", int, e.swap_space_mb, "CPU swap pool size")
-    opt(parser, "num-cpu-blocks", int, None, "CPU KV blocks (overrides --swap-space-mb)")
-    opt(parser, "block-size", int, e.block_size, "tokens per KV block")
-    opt(parser, "max-model-len", int, e.max_model_len, "context length (prompt + answer)")
-    opt(parser, "max-num-seqs", int, e.max_num_seqs, "sequences per engine step")
-    opt(parser, "max-num-batched-tokens", int, e.max_num_batched_tokens, "tokens per step")
-    opt(parser, "preemption-mode", str, e.preemption_mode.value, "swap | recompute")
-    _flag(parser, "no-prefix-caching", "disable the prefix cache")
-    _flag(parser, "no-cuda-graphs", "run decode steps eagerly: capture no CUDA graphs")
-    opt(
-        parser,
-        "prefix-cache-scope",
-        str,
-        "session",
-        "session: sessions share only system-prompt blocks | global: sessions share all",
-    )
-    opt(parser, "redis-url", str, None, "Redis server (default: embedded, under --data-dir)")
-    opt(parser, "redis-prefix", str, "pagechat:", "prefix of every Redis key")
-    opt(parser, "data-dir", Path, Path("data"), "where the embedded Redis persists")
-    opt(parser, "replica-id", str, socket.gethostname(), "this replica's name in page maps")
-    opt(parser, "max-connections", int, lim.max_connections, "open WebSockets")
-    opt(parser, "max-inflight-turns", int, lim.max_inflight_turns, "answers queued or running")
-    opt(parser, "max-frame-bytes", int, lim.max_frame_bytes, "largest frame a client may send")
-    opt(parser, "ws-max-size", int, lim.ws_max_size, "frames over this close the connection")
-    opt(parser, "max-message-chars", int, lim.max_message_chars, "user message length")
-    opt(parser, "default-max-tokens", int, lim.default_max_tokens, "max_tokens when not given")
-    opt(parser, "max-tokens-limit", int, lim.max_tokens, "the most max_tokens may be")
-    opt(parser, "session-ttl", int, lim.session_ttl_s, "seconds a session lives after its use")
-    opt(parser, "drain-timeout", float, lim.drain_timeout_s, "seconds answers get at shutdown")
-    opt(
-        parser,
-        "send-queue-frames",
-        int,
-        lim.send_queue_frames,
-        "frames queued for a slow client before it is dropped",
-    )
-    opt(
-        parser,
-        "send-timeout",
-        float,
-        lim.send_timeout_s,
-        "seconds a client may leave a frame unread before it is dropped",
-    )
-    opt(
-        parser,
-        "api-keys-file",
-        Path,
-        None,
-        "API keys, one `KEY TENANT [admin]` a line (docs/protocol.md); none: all open",
-    )
-    opt(
-        parser,
-        "allowed-origins",
-        _names,
-        (),
-        "comma-separated origins whose pages may open /v1/chat besides this server's ('*': any)",
-    )
-    opt(
-        parser,
-        "trusted-proxies",
-        _names,
-        (),
-        "comma-separated proxy addresses or networks whose X-Forwarded-For names the client",
-    )
-    opt(
-        parser,
-        "served-model-name",
-        _names,
-        (),
-        "comma-separated model names the OpenAI API answers to, the first listed"
-        " (default: the model's id)",
-    )
-    opt(
-        parser,
-        "cors-allowed-origins",
-        _names,
-        (),
-        "comma-separated origins whose pages may call the HTTP API (CORS; '*': any); none: off",
-    )
-    opt(parser, "log-level", str, "info", "debug | info | warning | error")
-    _flag(parser, "access-log", "log every HTTP request and WebSocket")
+def boolean(value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"not a boolean (true or false): {value!r}")
+
+
+def env_name(option: str) -> str:
+    """--kv-cache-mb -> PAGECHAT_KV_CACHE_MB."""
+    return "PAGECHAT_" + option.removeprefix("--").upper().replace("-", "_")
+
+
+@dataclass(slots=True, frozen=True)
+class Option:
+    """One config field as an option."""
+
+    group: str
+    name: str  # the field's
+    parse: Callable[[str], Any]  # a command line's or an environment variable's text
+    default: Any
+    help: str
+    shown_default: str
+    choices: tuple[str, ...] | None  # an enum's values
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return env_name(self.flag)
+
+    @property
+    def is_bool(self) -> bool:
+        return self.parse is boolean
+
+
+def options(group: str) -> list[Option]:
+    cls = GROUPS[group]
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        if group == "server" and f.name in _NESTED:
+            continue
+        # A field without help text still gets its option; tests/api/test_options.py fails.
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        parse, choices = _parser_for(hints[f.name])
+        shown = f.metadata.get(SHOWN_DEFAULT) or _shown(default)
+        help_text = f.metadata.get(HELP, "")
+        found.append(Option(group, f.name, parse, default, help_text, shown, choices))
+    return found
+
+
+def all_options() -> list[Option]:
+    return [option for group in GROUPS for option in options(group)]
+
+
+def _parser_for(hint: Any) -> tuple[Callable[[str], Any], tuple[str, ...] | None]:
+    """How to read a field of type `hint` from text: X | None reads as X; a str | Path as a
+    str (EngineConfig.model takes either); a tuple[str, ...] as a comma-separated list."""
+    if isinstance(hint, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _parser_for(str if str in args else args[0])
+    if typing.get_origin(hint) is tuple:
+        return names, None
+    if hint is bool:
+        return boolean, None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return str, tuple(str(member.value) for member in hint)  # the dataclass converts
+    if hint in (str, int, float, Path):
+        return hint, None
+    raise TypeError(f"no option type for {hint!r}")
+
+
+def _shown(default: Any) -> str:
+    """A default as docs/config.md and --help write it."""
+    if default is None or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, enum.Enum):
+        return f"`{default.value}`"
+    if isinstance(default, tuple):
+        return "`" + ",".join(default) + "`"
+    if isinstance(default, str | Path):
+        return f"`{default}`" if str(default) else '`""`'
+    return f"{default:,}" if isinstance(default, int) else f"{default:g}"
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of an option: warns, then sets the field as the new one would."""
+
+    def __init__(self, *args: Any, new: str, opposite: bool, **kwargs: Any) -> None:
+        self.new, self.opposite = new, opposite
+        super().__init__(*args, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stderr.write(f"pagechat: {option_string} is deprecated; use {self.new}\n")
+        setattr(namespace, self.dest, False if self.opposite else values)
+
+
+def _from_environment(option: Option) -> Any:
+    """The option's value from its environment variable (or an old one's), else None; a
+    variable set to nothing counts as unset."""
+    value = os.environ.get(option.env)
+    if value:
+        return option.parse(value)
+    for old, (name, opposite) in RENAMED.items():
+        value = os.environ.get(env_name(old))
+        if name == option.name and value:
+            sys.stderr.write(f"pagechat: {env_name(old)} is deprecated; use {option.env}\n")
+            parsed = option.parse(value)
+            return not parsed if opposite else parsed
+    return None
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    groups: Iterable[str] = GROUPS,
+    only: Sequence[str] | None = None,
+) -> None:
+    """One option per field of `groups` (or only the fields named in `only`)."""
+    chosen = [o for g in groups for o in options(g) if only is None or o.name in only]
+    for option in chosen:
+        from_env = _from_environment(option)
+        default = option.default if from_env is None else from_env
+        help_text = f"{option.help} [{option.env}; {option.shown_default.replace('`', '')}]"
+        help_text = help_text.replace("%", "%%")
+        if option.is_bool:
+            parser.add_argument(
+                option.flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                option.flag,
+                type=option.parse,
+                default=default,
+                choices=option.choices,
+                metavar=option.name.upper() if option.choices is None else None,
+                help=help_text,
+            )
+    names_chosen = {o.name: o for o in chosen}
+    for old, (name, opposite) in RENAMED.items():
+        if name in names_chosen:
+            new = names_chosen[name]
+            kind = {"nargs": 0} if opposite else {"type": new.parse}
+            new_flag = f"--no-{new.flag[2:]}" if opposite else new.flag
+            parser.add_argument(
+                old,
+                dest=name,
+                default=argparse.SUPPRESS,
+                action=_Renamed,
+                new=new_flag,
+                opposite=opposite,
+                help=argparse.SUPPRESS,
+                **kind,
+            )
+
+
+def values(
+    args: argparse.Namespace, group: str, only: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The fields of `group` (or those named in `only`) in `args`, as keyword arguments of
+    its dataclass."""
+    return {o.name: getattr(args, o.name) for o in options(group) if only is None or o.name in only}
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    engine = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        weight_dtype=args.weight_dtype,
-        weights=args.weights,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        num_device_blocks=args.num_device_blocks,
-        kv_cache_mb=args.kv_cache_mb,
-        num_cpu_blocks=args.num_cpu_blocks,
-        swap_space_mb=args.swap_space_mb,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=PreemptionMode(args.preemption_mode),
-        cuda_graphs=not args.no_cuda_graphs,
-    )
-    limits = Limits(
-        max_connections=args.max_connections,
-        max_inflight_turns=args.max_inflight_turns,
-        max_frame_bytes=args.max_frame_bytes,
-        ws_max_size=args.ws_max_size,
-        max_message_chars=args.max_message_chars,
-        default_max_tokens=args.default_max_tokens,
-        max_tokens=args.max_tokens_limit,
-        session_ttl_s=args.session_ttl,
-        drain_timeout_s=args.drain_timeout,
-        send_queue_frames=args.send_queue_frames,
-        send_timeout_s=args.send_timeout,
-    )
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        uds=args.uds,
-        redis_url=args.redis_url,
-        redis_prefix=args.redis_prefix,
-        data_dir=args.data_dir,
-        replica_id=args.replica_id,
-        engine=engine,
-        limits=limits,
-        access_log=args.access_log,
-        prefix_cache_scope=args.prefix_cache_scope,
-        api_keys_file=args.api_keys_file,
-        allowed_origins=args.allowed_origins,
-        trusted_proxies=args.trusted_proxies,
-        served_model_names=args.served_model_name,
-        cors_allowed_origins=args.cors_allowed_origins,
-    )
+    engine = EngineConfig(**values(args, "engine"))
+    limits = Limits(**values(args, "limits"))
+    return ServerConfig(engine=engine, limits=limits, **values(args, "server"))
+
+
+# ---------------------------------------------------------------------- docs/config.md
+
+
+def doc_table(group: str) -> str:
+    """The markdown table of `group`'s options, as docs/config.md holds it."""
+    rows = ["| option | environment | field | default | meaning |", "|---|---|---|---|---|"]
+    cls = GROUPS[group].__name__
+    for o in options(group):
+        flag = f"`{o.flag}` / `--no-{o.flag[2:]}`" if o.is_bool else f"`{o.flag}`"
+        meaning = o.help.replace("|", "\\|")
+        rows.append(f"| {flag} | `{o.env}` | `{cls}.{o.name}` | {o.shown_default} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def markers(group: str) -> tuple[str, str]:
+    return f"<!-- options:{group} -->", f"<!-- /options:{group} -->"
+
+
+def with_tables(doc: str) -> str:
+    """`doc` with every group's table rewritten between its markers."""
+    for group in GROUPS:
+        start, end = markers(group)
+        head, found, rest = doc.partition(start)
+        _, found_end, tail = rest.partition(end)
+        if not (found and found_end):
+            raise ValueError(f"no {start} ... {end} in the document")
+        doc = f"{head}{start}\n{doc_table(group)}{end}{tail}"
+    return doc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="rewrite docs/config.md's option tables")
+    parser.add_argument("doc", type=Path)
+    path = parser.parse_args(argv).doc
+    path.write_text(with_tables(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """`pagechat serve`: a uvicorn server that drains answers before it closes connections.
 
 Shutdown order (SIGINT/SIGTERM): stop accepting; refuse new answers; give answers in flight
-`--drain-timeout` seconds; cancel the rest (each is stored and reported with finish_reason
+`--drain-timeout-s` seconds; cancel the rest (each is stored and reported with finish_reason
 "shutdown"), close every socket with 1012; stop the engine (pools checked balanced); close
 Redis (the embedded one saves to disk).
 """
@@ -82,13 +82,18 @@ class ClientFaultFilter(logging.Filter):
 def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
     """`loaded`: a model already in memory (benchmarks/synthetic.py builds one); None loads
     `--model`."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # a setting out of range
+        sys.stderr.write(f"pagechat serve: {exc}\n")
+        return 2
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("uvicorn.error").addFilter(ClientFaultFilter())
     try:
-        server = build_server(config_from_args(args), loaded)
-    except ValueError as exc:  # a setting out of range, an unusable API keys file
+        server = build_server(config, loaded)
+    except ValueError as exc:  # an unusable API keys file
         sys.stderr.write(f"pagechat serve: {exc}\n")
         return 2
     # uvicorn re-raises the signal that stopped it after shutting down, which would end the

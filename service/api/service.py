@@ -1,8 +1,9 @@
 """ChatService: what one server process holds, and who may take how much of it.
 
-Owners: the AsyncEngine owns the engine thread; the SessionStore owns Redis I/O; the
-ChatConnections own their sockets. This class wires them, admits connections and answers
-under the limits, and drains them on shutdown.
+Owners: the engine (a ServingEngine: the AsyncEngine's thread) owns the KV cache; the
+SessionStore owns Redis I/O; the ConversationCache owns the tail prefills; the connections
+own their sockets. This class wires them, admits connections and answers under the limits,
+and drains them on shutdown.
 """
 
 from __future__ import annotations
@@ -10,44 +11,60 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from protocol.frames import ErrorCode, FrameError
 from service.api.auth import DEFAULT_TENANT, Gate
 from service.api.config import ServerConfig
 from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
-from service.engine.async_engine import AsyncEngine, EngineDeadError
-from service.engine.blocks import CacheScope
-from service.engine.config import dtype_name
-from service.engine.engine import LLMEngine, RequestError
+from service.api.refusal import Refusal, RefusalReason
+from service.engine.async_engine import AsyncEngine
+from service.engine.blocks import KVInvariantError
+from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
-from service.engine.params import SamplingParams
+from service.engine.serving import ServingEngine
+from service.sessions.conversation_cache import ConversationCache
 from service.sessions.prompt import ChatFormat
 from service.sessions.redis_server import EmbeddedRedis, connect
 from service.sessions.store import SessionStore
 
-if TYPE_CHECKING:
-    from service.api.connection import ChatConnection
-
 log = logging.getLogger(__name__)
 
 
+class Connection(Protocol):
+    """What the service needs of an open connection (service.api.connection.ChatConnection)."""
+
+    @property
+    def session_id(self) -> str | None: ...
+
+    async def shutdown(self) -> None:
+        """End the answer in flight (stored, reported), say why, close."""
+        ...
+
+
 class ChatService:
-    def __init__(self, config: ServerConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        loaded: LoadedModel | None = None,
+        engine: ServingEngine | None = None,
+    ) -> None:
+        """`loaded`: a model already in memory (tests share one across servers); `engine`:
+        one to serve with instead of an AsyncEngine over `config.engine` (tests' fakes)."""
         self.config = config
-        self._loaded = loaded  # a model already in memory (tests share one across servers)
-        self._engine: AsyncEngine | None = None
+        self._loaded = loaded
+        self._given_engine = engine
+        self._engine: ServingEngine | None = None
         self._store: SessionStore | None = None
         self._tenant_stores: dict[str, SessionStore] = {}  # store_for: the other tenants
         self.gate = Gate.from_config(config)  # API keys, origins, the failed-attempt limiter
-        self._chat_format: ChatFormat | None = None
+        self._conversations: ConversationCache | None = None
         self._embedded: EmbeddedRedis | None = None
         self.metrics = Metrics(lambda: self.engine.stats(), lambda: self.served_model_names[0])
         self.lag = LoopLagMonitor(
             config.lag_interval_s, observe=self.metrics.event_loop_lag.observe
         )
-        self.connections: set[ChatConnection] = set()
+        self.connections: set[Connection] = set()
         self.busy_sessions: set[str] = set()  # sessions with an answer in flight
         self.draining = False
         # Set when the engine thread dies: /health answers 503 and `on_fatal` stops the server.
@@ -56,13 +73,11 @@ class ChatService:
         self.balanced_at_exit: bool | None = None  # set by stop(): KV pools balanced?
         self._idle = asyncio.Event()  # no answer in flight
         self._idle.set()
-        # Per session: the request computing the K/V of its stored conversation's tail.
-        self._completions: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ parts
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> ServingEngine:
         if self._engine is None:
             raise RuntimeError("the service is not started")
         return self._engine
@@ -95,28 +110,21 @@ class ChatService:
         return store
 
     @property
-    def chat_format(self) -> ChatFormat:
-        if self._chat_format is None:
+    def conversations(self) -> ConversationCache:
+        """Cache scopes, page maps and tail prefills of the stored conversations."""
+        if self._conversations is None:
             raise RuntimeError("the service is not started")
-        return self._chat_format
+        return self._conversations
 
     @property
-    def model_id(self) -> str:
-        return self.engine.engine.model_id
+    def chat_format(self) -> ChatFormat:
+        return self.conversations.chat_format
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """The model names this server answers to (--served-model-name; else the model's id),
         the first the one it reports (/v1/models, the metrics' model_name)."""
-        return self.config.served_model_names or (self.model_id,)
-
-    @property
-    def namespace(self) -> str:
-        return self.engine.engine.block_manager.namespace
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.engine.config.block_size
+        return self.config.served_model_name or (self.engine.model_id,)
 
     @property
     def _redis_pool_size(self) -> int:
@@ -142,20 +150,29 @@ class ChatService:
             replica=config.replica_id,
         )
         await self._store.ping()
-        engine = await asyncio.to_thread(LLMEngine, config.engine, self._loaded)
-        self._chat_format = ChatFormat(engine.tokenizer)
-        self._engine = AsyncEngine(engine, on_failure=self._engine_failed)
-        await self._engine.start()
+        engine = self._given_engine
+        if engine is None:
+            built = await asyncio.to_thread(LLMEngine, config.engine, self._loaded)
+            engine = AsyncEngine(built, on_failure=self._engine_failed)
+        self._engine = engine
+        self._conversations = ConversationCache(
+            engine,
+            ChatFormat(engine.tokenizer),
+            replica_id=config.replica_id,
+            share_across_sessions=config.prefix_cache_scope == "global",
+        )
+        await engine.start()
         self.lag.start()
+        limits, precision = engine.limits, engine.precision
         log.info(
             "pagechat: model %s (%s weights, %s activations), %d device + %d CPU KV blocks of "
             "%d tokens, Redis %s",
             engine.model_id,
-            dtype_name(engine.weight_dtype),
-            dtype_name(engine.activation_dtype),
-            engine.block_manager.stats().device.total,
-            engine.block_manager.stats().cpu.total,
-            self.block_size,
+            precision.weights,
+            precision.activation_dtype,
+            limits.num_device_blocks,
+            limits.num_cpu_blocks,
+            limits.block_size,
             config.redis_url or f"embedded under {config.data_dir}",
         )
 
@@ -172,6 +189,8 @@ class ChatService:
         """Refuse new work, give answers `drain_timeout_s` to finish, then end every
         connection: its answer is cancelled, stored and reported, and the socket closed."""
         self.draining = True
+        if self._conversations is not None:
+            self._conversations.close()
         timeout = self.config.limits.drain_timeout_s
         if not self._idle.is_set():
             log.info("waiting up to %.1fs for %d answers", timeout, len(self.busy_sessions))
@@ -183,18 +202,17 @@ class ChatService:
 
     async def stop(self) -> None:
         await self.lag.stop()
-        for task in self._completions.values():
-            task.cancel()
-        await asyncio.gather(*self._completions.values(), return_exceptions=True)
+        if self._conversations is not None:
+            await self._conversations.stop()
         if self._engine is not None:
             await self._engine.stop()
             if self.engine_failure is not None:
                 self.balanced_at_exit = False  # a failed step leaves the pools in no known state
             else:
                 try:
-                    self._engine.engine.check_balanced()
+                    self._engine.check_balanced()
                     self.balanced_at_exit = True
-                except AssertionError as exc:
+                except KVInvariantError as exc:
                     log.error("KV pools unbalanced at shutdown: %s", exc)
                     self.balanced_at_exit = False
         if self._store is not None:
@@ -202,78 +220,34 @@ class ChatService:
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.stop)
 
-    # ------------------------------------------------------------------ conversation cache
-
-    def complete_conversation(
-        self, session_id: str, token_ids: list[int], scope: CacheScope | None
-    ) -> None:
-        """Cache the K/V of a stored conversation's tail, in the background.
-
-        An answer's last token and the end-of-turn tokens after it were never fed to the model,
-        so the block they fall in would miss the prefix cache on the next turn. A prefill-only
-        request (max_tokens 0) computes them now, while the user reads the answer; the next
-        turn then finds every full block of the conversation cached.
-        """
-        if self.draining or self._engine is None:
-            return
-        self._completions[session_id] = asyncio.create_task(
-            self._complete(session_id, token_ids, scope), name=f"complete {session_id}"
-        )
-
-    async def wait_for_completion(self, session_id: str) -> None:
-        """Let the session's cache completion finish before its next turn looks up the cache."""
-        task = self._completions.get(session_id)
-        if task is not None:
-            await asyncio.wait([task])  # a cancelled turn must not cancel the completion
-
-    async def _complete(
-        self, session_id: str, token_ids: list[int], scope: CacheScope | None
-    ) -> None:
-        try:
-            # Named after its session (the /kv view shows it so), unique per conversation length.
-            request_id = f"{session_id}/tail/{len(token_ids)}"
-            params = SamplingParams(max_tokens=0)
-            stream = self.engine.generate(
-                token_ids, params, request_id=request_id, cache_scope=scope
-            )
-            async for _ in stream:
-                pass
-        except (RequestError, EngineDeadError) as exc:
-            # Too long for the context, or shutting down: the next turn recomputes the tail.
-            log.debug("no cache completion for %s: %s", session_id, exc)
-        finally:
-            if self._completions.get(session_id) is asyncio.current_task():
-                del self._completions[session_id]
-
     # ------------------------------------------------------------------ admission
 
-    def admit(self, connection: ChatConnection) -> FrameError | None:
+    def admit(self, connection: Connection) -> Refusal | None:
         if self.draining:
-            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
         limit = self.config.limits.max_connections
         if len(self.connections) >= limit:
-            return FrameError(
-                ErrorCode.TOO_MANY_CONNECTIONS,
+            return Refusal(
+                RefusalReason.TOO_MANY_CONNECTIONS,
                 f"the server has {limit} open connections; retry later",
-                fatal=True,
             )
         self.connections.add(connection)
         self.metrics.open_connections.set(len(self.connections))
         return None
 
-    def release(self, connection: ChatConnection) -> None:
+    def release(self, connection: Connection) -> None:
         self.connections.discard(connection)
         self.metrics.open_connections.set(len(self.connections))
 
-    def begin_turn(self, session_id: str) -> FrameError | None:
-        if self.draining:  # fatal, as everywhere: this connection is closed with 1012 next
-            return FrameError(ErrorCode.SHUTTING_DOWN, "the server is shutting down", fatal=True)
+    def begin_turn(self, session_id: str) -> Refusal | None:
+        if self.draining:
+            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
         if session_id in self.busy_sessions:
-            return FrameError(ErrorCode.BUSY, "this session is answering on another connection")
+            return Refusal(RefusalReason.BUSY, "this session is answering on another connection")
         limit = self.config.limits.max_inflight_turns
         if len(self.busy_sessions) >= limit:
-            return FrameError(
-                ErrorCode.OVERLOADED, f"the server is answering {limit} messages; retry later"
+            return Refusal(
+                RefusalReason.OVERLOADED, f"the server is answering {limit} messages; retry later"
             )
         self.busy_sessions.add(session_id)
         self._idle.clear()

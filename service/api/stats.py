@@ -7,7 +7,6 @@ import msgspec
 from service.api.loop_lag import LagSummary
 from service.api.service import ChatService
 from service.engine.blocks import PoolUsage
-from service.engine.config import dtype_name
 
 
 class Pool(msgspec.Struct, kw_only=True):
@@ -79,15 +78,15 @@ def _pool(usage: PoolUsage) -> Pool:
 
 
 def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
-    s = service.engine.stats()
+    engine = service.engine
+    s = engine.stats()
     b = s.blocks
-    engine = service.engine.engine
     return Stats(
-        model_id=service.model_id,
-        weights=engine.runner.model.weights_name,
-        weight_dtype=dtype_name(engine.weight_dtype),
-        activation_dtype=dtype_name(engine.activation_dtype),
-        kv=KVStats(block_size=service.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
+        model_id=engine.model_id,
+        weights=engine.precision.weights,
+        weight_dtype=engine.precision.weight_dtype,
+        activation_dtype=engine.precision.activation_dtype,
+        kv=KVStats(block_size=engine.limits.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
         prefix_cache=PrefixCacheStats(
             queries=b.prefix_queries,
             hits=b.prefix_hits,

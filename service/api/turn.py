@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import redis.exceptions
 
@@ -31,12 +29,15 @@ from protocol.frames import (
     Usage,
 )
 from service.api.auth import cache_salt_for
+from service.api.meter import AnswerMeter
+from service.api.metrics import Metrics
 from service.api.sender import ClientGone
-from service.engine.async_engine import EngineDeadError
-from service.engine.blocks import CacheScope, hash_blocks
+from service.engine.blocks import CacheScope
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
 from service.engine.sequence import FinishReason as EngineFinishReason
+from service.engine.serving import EngineDeadError, ServingEngine
+from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.store import (
     LEASE_S,
@@ -47,9 +48,6 @@ from service.sessions.store import (
     TurnLease,
 )
 
-if TYPE_CHECKING:
-    from service.api.service import ChatService
-
 log = logging.getLogger(__name__)
 
 Send = Callable[[ServerFrame], Awaitable[None]]
@@ -58,7 +56,9 @@ Send = Callable[[ServerFrame], Awaitable[None]]
 class Turn:
     def __init__(
         self,
-        service: ChatService,
+        engine: ServingEngine,
+        conversations: ConversationCache,
+        metrics: Metrics,
         store: SessionStore,
         tenant: str,
         session_id: str,
@@ -68,7 +68,9 @@ class Turn:
         received: float,
         send: Send,
     ) -> None:
-        self.service = service
+        self.engine = engine
+        self.conversations = conversations  # cache scopes, page maps, tail prefills
+        self.meter = AnswerMeter(metrics, received)
         self.store = store  # the tenant's sessions
         self.tenant = tenant
         self.session_id = session_id
@@ -82,8 +84,6 @@ class Turn:
         self.answer: list[int] = []
         self.text = ""
         self._last: RequestOutput | None = None
-        self._first_token_at: float | None = None
-        self._last_token_at: float | None = None
 
     def cancel(self, reason: FinishReason) -> None:
         """Stop the answer (the first reason given wins); safe to call at any point."""
@@ -134,7 +134,7 @@ class Turn:
 
     async def _run(self, lease: TurnLease) -> Done | None:
         """Answer and store; the `done` frame to send (None: the client is gone)."""
-        service = self.service
+        conversations = self.conversations
         try:
             meta, page_map = await self.store.load(self.session_id)
             prompt = await self._prompt(meta, page_map)
@@ -142,7 +142,7 @@ class Turn:
             raise FrameError(ErrorCode.UNKNOWN_SESSION, "the session expired") from None
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
-        max_len = service.engine.engine.max_model_len
+        max_len = self.engine.limits.max_model_len
         if len(prompt) >= max_len:
             raise FrameError(
                 ErrorCode.CONTEXT_LENGTH,
@@ -153,9 +153,9 @@ class Turn:
             # Cancelled before it began: nothing was generated, so nothing is stored.
             reason = self._cancel_reason
         else:
-            await service.wait_for_completion(self.session_id)
-            scope = self._cache_scope(meta)
-            stream = service.engine.generate(
+            await conversations.wait_for_tail(self.session_id)
+            scope = conversations.scope(cache_salt_for(self.tenant), self.session_id, meta.system)
+            stream = self.engine.generate(
                 prompt,
                 self.params,
                 request_id=f"{self.session_id}/{meta.turns}",
@@ -165,7 +165,7 @@ class Turn:
             await asyncio.wait([self._pump])
             reason, failure = self._outcome(self._pump)
             if failure is None or self.answer:  # whatever ended it, what was said is kept
-                ids = prompt + self.answer + service.chat_format.close_turn(self.answer)
+                ids = prompt + self.answer + conversations.chat_format.close_turn(self.answer)
                 try:
                     await self._store(lease, ids, reason, scope)
                 except (redis.exceptions.RedisError, LeaseLost) as exc:
@@ -174,12 +174,10 @@ class Turn:
                         ErrorCode.STORAGE_UNAVAILABLE, f"the answer could not be stored: {exc}"
                     ) from None
                 if failure is None:
-                    service.complete_conversation(self.session_id, ids, scope)
+                    conversations.prefill_tail(self.session_id, ids, scope)
             if failure is not None:
                 raise failure
-        service.metrics.turns.labels(reason.value).inc()
-        total = time.monotonic() - self.received
-        service.metrics.e2e_latency.observe(total)
+        total = self.meter.end([reason.value])
         if reason is FinishReason.DISCONNECTED:
             return None
         return Done(
@@ -190,8 +188,8 @@ class Turn:
         )
 
     async def _prompt(self, meta: SessionMeta, page_map: PageMap | None) -> list[int]:
-        fmt = self.service.chat_format
-        if page_map is not None and page_map.model_id == self.service.model_id:
+        fmt = self.conversations.chat_format
+        if page_map is not None and page_map.model_id == self.engine.model_id:
             return fmt.next_prompt(page_map.token_ids, self.content)
         if meta.turns == 0:
             return fmt.first_prompt(meta.system, self.content)
@@ -200,19 +198,10 @@ class Turn:
         return fmt.render(meta.system, messages, self.content)
 
     async def _stream(self, stream: AsyncIterator[RequestOutput]) -> None:
-        metrics = self.service.metrics
         want_logprobs = self.params.logprobs is not None
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for out in stream:
-                now = time.monotonic()
-                if self._last_token_at is None:
-                    self._first_token_at = now
-                    metrics.time_to_first_token.observe(now - self.received)
-                    if out.first_scheduled_time is not None:
-                        metrics.queue_time.observe(out.first_scheduled_time - self.received)
-                else:
-                    metrics.inter_token_latency.observe(now - self._last_token_at)
-                self._last_token_at = now
+                self.meter.output(out)
                 self._last = out
                 self.answer += out.new_token_ids
                 self.text += out.new_text
@@ -239,42 +228,16 @@ class Turn:
         elif isinstance(exc, Exception):
             failure = exc  # a bug: reported as internal by the connection, after the store
         elif exc is None:
-            last = self._last
-            if last is not None and last.finish_reason is EngineFinishReason.LENGTH:
-                return FinishReason.LENGTH, None
-            return FinishReason.STOP, None
+            return wire_reason(self._last.finish_reason if self._last else None), None
         else:
             raise exc  # KeyboardInterrupt and the like are not the turn's to handle
         return FinishReason.ERROR, failure
 
-    def _cache_scope(self, meta: SessionMeta) -> CacheScope:
-        """Who may share this conversation's KV blocks (see CacheScope's NOTE): its tenant
-        only, and by default, across sessions, only the blocks wholly inside the system
-        prompt; `--prefix-cache-scope global` lets every session of the tenant share all."""
-        salt = cache_salt_for(self.tenant)
-        if self.service.config.prefix_cache_scope == "global":
-            return CacheScope(salt=salt)
-        shared = self.service.chat_format.system_prefix_len(meta.system)
-        return CacheScope(salt=salt, private=self.session_id, shared_tokens=shared)
-
     async def _store(
         self, lease: TurnLease, ids: list[int], reason: FinishReason, scope: CacheScope
     ) -> None:
-        service = self.service
-        now = time.time()
-        block_size = service.block_size
-        hashes = hash_blocks(ids, block_size, service.namespace, scope)
-        tiers = service.engine.block_tiers(hashes)
-        page_map = PageMap(
-            token_ids=ids,
-            block_size=block_size,
-            block_hashes=hashes,
-            tiers=[t.value if t is not None else "none" for t in tiers],
-            namespace=service.namespace,
-            model_id=service.model_id,
-            replica=service.config.replica_id,
-            updated=now,
-        )
+        page_map = await self.conversations.page_map(ids, scope)
+        now = page_map.updated
         messages = [
             Message(role=Role.USER, content=self.content, created=now),
             Message(role=Role.ASSISTANT, content=self.text, created=now, finish_reason=reason),
@@ -297,9 +260,16 @@ class Turn:
     def _timing(self, total: float) -> Timing:
         last = self._last
         scheduled = last.first_scheduled_time if last else None
-        first = self._first_token_at
+        first = self.meter.first_token_at
         return Timing(
             queue_s=None if scheduled is None else max(0.0, scheduled - self.received),
             ttft_s=None if first is None else first - self.received,
             total_s=total,
         )
+
+
+def wire_reason(reason: EngineFinishReason | None) -> FinishReason:
+    """The engine's finish reason in the protocol's words: `length` is length, `stop` stop.
+    (The engine's `abort` never reaches here: a turn aborts only by leaving its stream, and
+    then its own reason stands: cancelled, shutdown or disconnected.)"""
+    return FinishReason.LENGTH if reason is EngineFinishReason.LENGTH else FinishReason.STOP

@@ -1,9 +1,12 @@
 """AsyncEngine: the engine's steps on one thread, its streams on the asyncio loop.
 
-NOTE (threads): only the engine thread touches the LLMEngine. The loop talks to it through a
-command queue (add, abort, page-map snapshot) and hears back through `call_soon_threadsafe`,
-one batch of outputs per step. torch releases the GIL inside its ops, so the loop stays
-responsive during a step.
+It is the engine the service sees (`service.engine.serving.ServingEngine`).
+
+NOTE (threads): only the engine thread touches the LLMEngine while it runs. The loop talks to
+it through a command queue (add, abort, the pages of a conversation, a KV snapshot) and hears
+back through `call_soon_threadsafe`, one batch of outputs per step. Once the thread has ended
+(stopped or failed) nothing moves blocks any more, and the loop reads the engine itself.
+torch releases the GIL inside its ops, so the loop stays responsive during a step.
 NOTE (failures): an error tied to one request (anything `add_request` raises) fails that
 request's stream and nothing else. An error inside a step leaves the engine's state unknown:
 the thread stops, every stream fails with EngineDeadError, and `on_failure` tells the owner
@@ -22,16 +25,24 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from service.engine.blocks import CacheScope, Tier
-from service.engine.engine import EngineStats, LLMEngine, PageMap, RequestError, RequestOutput
+from service.engine.blocks import CacheScope
+from service.engine.config import dtype_name
+from service.engine.engine import (
+    EngineStats,
+    KVPages,
+    KVSnapshot,
+    LLMEngine,
+    RequestError,
+    RequestOutput,
+)
 from service.engine.params import SamplingParams
+from service.engine.serving import EngineDeadError, EngineLimits, EnginePrecision
+from service.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can be served."""
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -49,13 +60,22 @@ class _Abort:
 
 @dataclass(slots=True)
 class _Snapshot:
-    """Ask for a page map between two steps; the answer lands in `future`."""
+    """Ask for a KV snapshot between two steps; the answer lands in `future`."""
 
-    future: asyncio.Future[PageMap]
+    future: asyncio.Future[KVSnapshot]
     max_sequences: int
 
 
-_Command = _Add | _Abort | _Snapshot
+@dataclass(slots=True)
+class _Pages:
+    """Ask where a conversation's blocks are, between two steps."""
+
+    future: asyncio.Future[KVPages]
+    token_ids: list[int]
+    scope: CacheScope | None
+
+
+_Command = _Add | _Abort | _Snapshot | _Pages
 
 
 @dataclass(slots=True)
@@ -84,10 +104,39 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self._error: BaseException | None = None
+        # True while the thread takes commands; flipped under the lock, so a command is either
+        # queued for it or answered here, never left in a queue nobody reads.
+        self._taking_commands = False
+        self._lock = threading.Lock()
+        blocks = engine.block_manager.stats()
+        self.limits = EngineLimits(
+            max_model_len=engine.max_model_len,
+            block_size=engine.config.block_size,
+            num_device_blocks=blocks.device.total,
+            num_cpu_blocks=blocks.cpu.total,
+        )
+        self.precision = EnginePrecision(
+            weights=engine.runner.model.weights_name,
+            weight_dtype=dtype_name(engine.weight_dtype),
+            activation_dtype=dtype_name(engine.activation_dtype),
+        )
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def namespace(self) -> str:
+        return self.engine.block_manager.namespace
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="pagechat-engine", daemon=True)
+        self._taking_commands = True
         self._thread.start()
 
     async def stop(self) -> None:
@@ -100,25 +149,30 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
+    def check_balanced(self) -> None:
+        """After `stop`: KVInvariantError unless the pools' accounting holds."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is running: stop it first")
+        self.engine.check_balanced()
+
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step (safe from any thread)."""
         return self._stats
 
-    def block_tiers(self, block_hashes: list[int]) -> list[Tier | None]:
-        """Where each block is now (device, CPU, or gone), for page maps.
+    async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:
+        """The block hashes of `token_ids` in `scope`, and where each block is now: read
+        between two steps, or at once if the engine thread has ended (nothing moves blocks
+        then), so a turn can store its page map even after the engine failed."""
+        future: asyncio.Future[KVPages] = asyncio.get_running_loop().create_future()
+        if not self._ask(_Pages(future, list(token_ids), scope)):
+            return self.engine.pages_of(token_ids, scope)
+        return await future
 
-        Read from the loop while the engine thread may be moving blocks: a snapshot that can
-        be one step stale, which is all a page map promises.
-        """
-        tier_of = self.engine.block_manager.tier_of
-        return [tier_of(h) for h in block_hashes]
-
-    async def page_map(self, max_sequences: int = 256) -> PageMap:
+    async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         """The KV pools slot by slot and the live block tables, taken between two steps."""
-        if self._error is not None or self._thread is None:
+        future: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        if not self._ask(_Snapshot(future, max_sequences)):
             raise EngineDeadError("the engine is not running") from self._error
-        future: asyncio.Future[PageMap] = asyncio.get_running_loop().create_future()
-        self._send(_Snapshot(future, max_sequences))
         return await future
 
     @property
@@ -142,15 +196,14 @@ class AsyncEngine:
         Use inside `contextlib.aclosing` (or consume to the end) so that leaving early aborts
         the request at once rather than when the generator is collected.
         """
-        if self._error is not None or self._thread is None:
-            raise EngineDeadError("the engine is not running") from self._error
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise RequestError(f"request {request_id!r} is already running")
         stream = _Stream(params.n)
+        if not self._ask(_Add(request_id, list(prompt_token_ids), params, cache_scope)):
+            raise EngineDeadError("the engine is not running") from self._error
         self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_scope))
         try:
             while not stream.done:
                 item = await stream.queue.get()
@@ -169,6 +222,13 @@ class AsyncEngine:
     def _send(self, command: _Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
+
+    def _ask(self, command: _Command) -> bool:
+        """Queue a command for the engine thread; False if it takes no more commands."""
+        with self._lock:
+            if self._taking_commands:
+                self._send(command)
+            return self._taking_commands
 
     def _run(self) -> None:
         engine = self.engine
@@ -189,9 +249,12 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self._error = exc
             self._post(self._fail_all, exc)
-            self._fail_snapshots(exc)
             if self._on_failure is not None:
                 self._post(self._on_failure, exc)
+        finally:
+            with self._lock:
+                self._taking_commands = False
+            self._settle_leftovers()
 
     def _pending_commands(self) -> Iterator[_Command]:
         while True:
@@ -206,7 +269,11 @@ class AsyncEngine:
                 self.engine.abort(command.request_id)
                 continue
             if isinstance(command, _Snapshot):
-                self._post(_resolve, command.future, self.engine.page_map(command.max_sequences))
+                self._post(_resolve, command.future, self.engine.kv_snapshot(command.max_sequences))
+                continue
+            if isinstance(command, _Pages):
+                pages = self.engine.pages_of(command.token_ids, command.scope)
+                self._post(_resolve, command.future, pages)
                 continue
             try:
                 self.engine.add_request(
@@ -223,12 +290,19 @@ class AsyncEngine:
                 refused = RequestError(f"the engine refused the request: {exc!r}")
                 self._post(self._reject, command.request_id, refused)
 
-    def _fail_snapshots(self, exc: BaseException) -> None:
-        """Page maps asked for after the last step would otherwise wait forever."""
+    def _settle_leftovers(self) -> None:
+        """Answer the commands queued after the thread's last look at its queue (they would
+        wait forever otherwise): pages from the engine as it was left; no snapshot, no new
+        request."""
         for command in self._pending_commands():
-            if isinstance(command, _Snapshot):
-                dead = EngineDeadError(f"the engine failed: {exc!r}")
-                self._post(_fail, command.future, dead)
+            if isinstance(command, _Add):
+                self._post(self._reject, command.request_id, EngineDeadError("the engine stopped"))
+            elif isinstance(command, _Snapshot):
+                why = "stopped" if self._error is None else f"failed: {self._error!r}"
+                self._post(_fail, command.future, EngineDeadError(f"the engine {why}"))
+            elif isinstance(command, _Pages):
+                pages = self.engine.pages_of(command.token_ids, command.scope)
+                self._post(_resolve, command.future, pages)
 
     def _post(self, callback: object, *args: object) -> None:
         assert self._loop is not None
@@ -243,7 +317,7 @@ class AsyncEngine:
             if stream is not None:
                 stream.queue.put_nowait(out)
 
-    def _reject(self, request_id: str, exc: RequestError) -> None:
+    def _reject(self, request_id: str, exc: RequestError | EngineDeadError) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(exc)
@@ -253,11 +327,11 @@ class AsyncEngine:
             stream.queue.put_nowait(EngineDeadError(f"the engine failed: {exc!r}"))
 
 
-def _resolve(future: asyncio.Future[PageMap], page_map: PageMap) -> None:
+def _resolve(future: asyncio.Future[T], result: T) -> None:
     if not future.done():  # its waiter may have been cancelled meanwhile
-        future.set_result(page_map)
+        future.set_result(result)
 
 
-def _fail(future: asyncio.Future[PageMap], exc: BaseException) -> None:
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)

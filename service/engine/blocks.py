@@ -39,10 +39,9 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
-
-from service.engine.sequence import Sequence
 
 
 class Tier(enum.Enum):
@@ -131,6 +130,16 @@ class BlockStats:
     blocks_dropped: int  # cached content lost for lack of room
 
 
+class KVInvariantError(RuntimeError):
+    """The pools' accounting is off: a block leaked, is in two places, or its ref count is
+    not its holders'. A bug, never a client's doing."""
+
+
+def _check(holds: bool, what: str) -> None:
+    if not holds:
+        raise KVInvariantError(what)
+
+
 def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> int:
     """Reproducible across processes, restarts and hosts (stored in Redis page maps).
 
@@ -208,6 +217,21 @@ def hash_blocks(
     return hashes
 
 
+class PagedSequence(Protocol):
+    """A sequence as the block manager sees it (service.engine.sequence.Sequence): its
+    tokens, how many have K/V, and the block table and hashes it keeps for the manager."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    cache_scope: CacheScope | None
+    block_table: list[Block]
+    block_hashes: list[int]
+    num_registered_blocks: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
 @dataclass(slots=True)
 class _Counters:
     prefix_queries: int = 0
@@ -274,7 +298,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission
 
-    def find_prefix(self, seq: Sequence) -> PrefixHit:
+    def find_prefix(self, seq: PagedSequence) -> PrefixHit:
         """Longest run of cached full blocks at the start of `seq` (no state changes).
 
         At least one token is left uncached: its logits are needed to sample the next token.
@@ -292,7 +316,7 @@ class BlockManager:
         num_cpu = sum(b.tier is Tier.CPU for b in hits)
         return PrefixHit(tuple(hits), self.block_size, num_cpu)
 
-    def can_allocate(self, seq: Sequence, hit: PrefixHit, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Whether `seq` (holding no blocks) can take its prefix hit and its first chunk."""
         assert not seq.block_table, "can_allocate is for sequences holding no blocks"
         needed = self._blocks_to_cover(hit.num_tokens + num_new_tokens)
@@ -303,12 +327,12 @@ class BlockManager:
         return needed - len(device_hits) <= available
 
     def allocate(
-        self, seq: Sequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
+        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
     ) -> None:
         """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens.
 
         `count_lookup=False` keeps the lookup out of the prefix-cache statistics (the engine's
-        own cache-completing requests are not user traffic).
+        own prefill-only requests, tail prefills, are not user traffic).
         """
         assert self.can_allocate(seq, hit, num_new_tokens)
         # Claim every hit before taking any slot: swapping one CPU hit in may evict a device
@@ -330,10 +354,10 @@ class BlockManager:
 
     # ------------------------------------------------------------------ growth
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_append(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         return self._blocks_needed_to_append(seq, num_new_tokens) <= self._device.available
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+    def append_slots(self, seq: PagedSequence, num_new_tokens: int) -> None:
         """Make room for tokens [num_computed, num_computed + num_new_tokens) of `seq`."""
         assert self.can_append(seq, num_new_tokens)
         if seq.num_computed_tokens % self.block_size:
@@ -344,7 +368,7 @@ class BlockManager:
         self._grow(seq, end)
         self._register_full_blocks(seq, end)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: PagedSequence, child: PagedSequence) -> None:
         """`child` shares all of `parent`'s blocks (paged); contiguous mode copies them."""
         assert not child.block_table
         if self.mode is AllocationMode.PAGED:
@@ -358,14 +382,14 @@ class BlockManager:
             self._ops.append(BlockOp(OpKind.COPY, src.slot, dst.slot))
             self._counters.copied += 1
 
-    def can_fork(self, parent: Sequence) -> bool:
+    def can_fork(self, parent: PagedSequence) -> bool:
         if self.mode is AllocationMode.PAGED:
             return True
         return self._blocks_to_cover(self.max_model_len) <= self._device.available
 
     # ------------------------------------------------------------------ release
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: PagedSequence) -> None:
         """Release all of `seq`'s blocks. Hashed blocks stay cached until their room is needed."""
         # Reverse order: a prompt's tail is evicted before its head, which other prompts share.
         for block in reversed(seq.block_table):
@@ -375,24 +399,24 @@ class BlockManager:
 
     # ------------------------------------------------------------------ preemption by swap
 
-    def can_swap_out(self, seq: Sequence) -> bool:
+    def can_swap_out(self, seq: PagedSequence) -> bool:
         private = sum(b.ref_count == 1 and b.tier is Tier.DEVICE for b in seq.block_table)
         return private <= self._cpu.available
 
-    def swap_out(self, seq: Sequence) -> None:
+    def swap_out(self, seq: PagedSequence) -> None:
         """Move `seq`'s private blocks to the CPU pool; blocks it shares stay on the device."""
         assert self.can_swap_out(seq)
         for block in seq.block_table:
             if block.ref_count == 1 and block.tier is Tier.DEVICE:
                 self._move_to_cpu(block)
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_swap_in(self, seq: PagedSequence, num_new_tokens: int) -> bool:
         on_cpu = sum(b.tier is Tier.CPU for b in seq.block_table)
         return on_cpu + self._blocks_needed_to_append(seq, num_new_tokens) <= (
             self._device.available
         )
 
-    def swap_in(self, seq: Sequence) -> None:
+    def swap_in(self, seq: PagedSequence) -> None:
         for block in seq.block_table:
             if block.tier is Tier.CPU:
                 self._move_to_device(block)
@@ -444,40 +468,42 @@ class BlockManager:
         self.check_invariants()
         return all(len(p.held) == len(p.cached) for p in (self._device, self._cpu))
 
-    def check_invariants(self, live: Iterable[Sequence] | None = None) -> None:
-        """Raise AssertionError if the pool's accounting is off.
+    def check_invariants(self, live: Iterable[PagedSequence] | None = None) -> None:
+        """Raise KVInvariantError if the pool's accounting is off.
 
         free + cached + in use == total on each tier; a slot is in one place only; ref counts
         equal the number of table entries across `live` (when given) and are never negative.
+        Raised, not asserted: `python -O` must not turn the check into a silent pass.
         """
         for pool in (self._device, self._cpu):
             free = set(pool.free)
-            assert len(free) == len(pool.free), f"{pool.tier}: slot freed twice"
-            assert not free & pool.held.keys(), f"{pool.tier}: a free slot is also held"
-            assert len(free) + len(pool.held) == pool.total, f"{pool.tier}: slots leaked"
+            _check(len(free) == len(pool.free), f"{pool.tier}: slot freed twice")
+            _check(not free & pool.held.keys(), f"{pool.tier}: a free slot is also held")
+            _check(len(free) + len(pool.held) == pool.total, f"{pool.tier}: slots leaked")
             for slot, block in pool.held.items():
-                assert block.slot == slot and block.tier is pool.tier, "handle misplaced"
-                assert block.ref_count >= 0, "negative ref count"
+                _check(block.slot == slot and block.tier is pool.tier, "handle misplaced")
+                _check(block.ref_count >= 0, "negative ref count")
                 if block.ref_count == 0:
-                    assert block.block_hash is not None, "unhashed block with no holder"
-                    assert pool.cached.get(block.block_hash) is block, "idle block not cached"
+                    _check(block.block_hash is not None, "unhashed block with no holder")
+                    cached = block.block_hash is not None and pool.cached.get(block.block_hash)
+                    _check(cached is block, "idle block not cached")
             for h, block in pool.cached.items():
-                assert block.ref_count == 0 and block.block_hash == h, "cached entry stale"
-                assert pool.held.get(block.slot) is block, "cached block not held"
+                _check(block.ref_count == 0 and block.block_hash == h, "cached entry stale")
+                _check(pool.held.get(block.slot) is block, "cached block not held")
         for h, block in self._by_hash.items():
-            assert block.block_hash == h, "hash index stale"
+            _check(block.block_hash == h, "hash index stale")
             pool = self._pool(block.tier)
-            assert pool.held.get(block.slot) is block, "hashed block not held"
+            _check(pool.held.get(block.slot) is block, "hashed block not held")
         if live is not None:
             refs: dict[int, int] = {}
             for seq in live:
                 for block in seq.block_table:
                     refs[id(block)] = refs.get(id(block), 0) + 1
                     held = self._pool(block.tier).held.get(block.slot)
-                    assert held is block, "a table lists a released or misplaced block"
+                    _check(held is block, "a table lists a released or misplaced block")
             for pool in (self._device, self._cpu):
                 for block in pool.held.values():
-                    assert block.ref_count == refs.get(id(block), 0), "ref count != holders"
+                    _check(block.ref_count == refs.get(id(block), 0), "ref count != holders")
 
     # ------------------------------------------------------------------ internals
 
@@ -489,7 +515,7 @@ class BlockManager:
             num_tokens = max(num_tokens, self.max_model_len)
         return -(-num_tokens // self.block_size)
 
-    def _blocks_needed_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+    def _blocks_needed_to_append(self, seq: PagedSequence, num_new_tokens: int) -> int:
         end = seq.num_computed_tokens + num_new_tokens
         needed = max(0, self._blocks_to_cover(end) - len(seq.block_table))
         start = seq.num_computed_tokens
@@ -497,13 +523,13 @@ class BlockManager:
             needed += 1
         return needed
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+    def _grow(self, seq: PagedSequence, num_tokens: int) -> None:
         for _ in range(self._blocks_to_cover(num_tokens) - len(seq.block_table)):
             block = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
             self._device.held[block.slot] = block
             seq.block_table.append(block)
 
-    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+    def _copy_on_write(self, seq: PagedSequence, index: int) -> None:
         shared = seq.block_table[index]
         copy = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
         self._device.held[copy.slot] = copy
@@ -574,7 +600,7 @@ class BlockManager:
         block.slot = slot
         self._pool(tier).held[slot] = block
 
-    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _register_full_blocks(self, seq: PagedSequence, num_tokens: int) -> None:
         """Put the blocks that `num_tokens` tokens fill under their content hashes.
 
         Called as the step computing those tokens is scheduled (see the NOTE above).
@@ -596,7 +622,7 @@ class BlockManager:
                 self._by_hash[h] = block
         seq.num_registered_blocks = num_full
 
-    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+    def _extend_hashes(self, seq: PagedSequence, num_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_blocks):
             parent = seq.block_hashes[i - 1] if i else None

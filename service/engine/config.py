@@ -1,7 +1,7 @@
 """Engine configuration: one validated dataclass, documented defaults.
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
-docs/perf.md and ../shared/FACTS.md):
+docs/perf.md, and its figures measured before the project started):
 - dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
   and the matmul weights' dtype are chosen by timing one decoder layer of a batch-32 decode
   step (its four projections and the paged attention) once at start-up, on this very CPU:
@@ -39,6 +39,7 @@ import torch
 
 from service.engine.blocks import AllocationMode
 from service.engine.quant import INT4, PACKED_BITS, packed_decode_pays
+from service.settings import setting
 
 
 class PreemptionMode(enum.Enum):
@@ -48,34 +49,106 @@ class PreemptionMode(enum.Enum):
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | Path | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"  # activations and KV cache: auto | float32 | bfloat16 | float16
-    # Matmul weights (projections, MLP, embedding, LM head): auto (with dtype auto, timed on
-    # the CPU and bfloat16 on CUDA; otherwise the same as dtype) | float32 | bfloat16 | float16
-    weight_dtype: str = "auto"
-    # The matmul weights' format: auto (a 4-bit GGUF packed on the CPU where a trial says it
-    # pays, else dense as weight_dtype says) | fp32 | bf16 (dense) | int8 | int4 (packed,
-    # weight-only; GGUF Q4_0/Q4_1/Q4_K kept as stored; CPU only). Not with weight_dtype.
-    weights: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
-    block_size: int = 16
-    num_device_blocks: int | None = None  # None: from kv_cache_mb
-    kv_cache_mb: int = 512
-    num_cpu_blocks: int | None = None  # None: from swap_space_mb
-    swap_space_mb: int = 512
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    preemption_mode: PreemptionMode = PreemptionMode.SWAP
-    allocation: AllocationMode = AllocationMode.PAGED
-    cache_salt: str = ""  # tenants with different salts never share KV blocks
-    seed: int = 0
-    num_threads: int = 1
-    # Decode steps on CUDA (Triton backend) replay CUDA graphs captured at start-up for a
-    # ladder of batch sizes (service/engine/cuda_graphs.py); False: every step runs eagerly.
-    cuda_graphs: bool = True
+    """Each field is an option of `pagechat serve` (service.api.options) and a row of
+    docs/config.md, both written from its help text here."""
+
+    model: str | Path | None = setting(
+        None,
+        "GGUF file or Hugging Face directory (`config.json`, `*.safetensors`, `tokenizer.json`);"
+        " none: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF, served packed int4 by `weights`"
+        " auto on a CPU where that pays)",
+        shown_default="the bundled model",
+    )
+    dtype: str = setting(
+        "auto",
+        "the activations' and the KV cache's dtype: auto (bfloat16 on CUDA; on a CPU the"
+        " start-up trial's choice) | float32 | bfloat16 | float16. Use float32 where bit-exact"
+        " comparisons matter (the tests do)",
+    )
+    weight_dtype: str = setting(
+        "auto",
+        "the matmul weights' dtype (projections, MLP, embedding, LM head; norms follow `dtype`):"
+        " auto (with `dtype` auto, the trial's choice on a CPU and bfloat16 on CUDA; otherwise"
+        " as `dtype`) | float32 | bfloat16 | float16",
+    )
+    weights: str = setting(
+        "auto",
+        "the matmul weights' format: auto (with `dtype` and `weight_dtype` auto on a CPU, a GGUF"
+        " whose layer matmuls are all 4-bit (Q4_0/Q4_1/Q4_K, as the bundled model) is served"
+        " packed int4 where a start-up trial finds one sequence's decode matmuls 20% faster"
+        " that way; otherwise dense, as `weight_dtype` says) | fp32 | bf16 (dense, not together"
+        " with `weight_dtype`) | int8 | int4 (packed, weight-only, CPU only; a GGUF's 4-bit"
+        " blocks kept as stored, other weights quantized at load time; no dense copy: steps"
+        " over a timed crossover dequantize each weight into one scratch buffer). /v1/stats"
+        " and the start-up log report it as `weights`",
+    )
+    device: str = setting("auto", "auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
+    attention_backend: str = setting(
+        "auto", "auto (triton on CUDA, torch, the reference, on the CPU) | torch | triton"
+    )
+    block_size: int = setting(
+        16, "tokens per KV block, a power of two up to 128; waste is under one block a sequence"
+    )
+    num_device_blocks: int | None = setting(
+        None,
+        "device KV pool size in blocks (overrides `kv_cache_mb`)",
+        shown_default="from `kv_cache_mb`",
+    )
+    kv_cache_mb: int = setting(
+        512,
+        "device KV pool size in MiB when `num_device_blocks` is unset (SmolLM2 in bf16: 0.35 MiB"
+        " per 16-token block, so 512 MiB hold ~23k tokens)",
+    )
+    num_cpu_blocks: int | None = setting(
+        None,
+        "CPU (swap) pool size in blocks (overrides `swap_space_mb`)",
+        shown_default="from `swap_space_mb`",
+    )
+    swap_space_mb: int = setting(512, "CPU (swap) pool size in MiB; pinned memory on CUDA")
+    max_model_len: int = setting(
+        4096, "longest sequence (prompt + answer); capped by the model's own context"
+    )
+    max_num_seqs: int = setting(64, "most sequences in one batch")
+    max_num_batched_tokens: int = setting(
+        512,
+        "token budget of one step: decodes first, then prefill chunks. 512 bf16 prefill tokens"
+        " take ~0.5 s on the CPU, which bounds how long decoders wait behind a new prompt",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "content-addressed reuse of full KV blocks across requests, prompts admitted in the"
+        " same step included",
+    )
+    preemption_mode: PreemptionMode = setting(
+        PreemptionMode.SWAP,
+        "when a running sequence cannot get a block, the newest one is swapped to the CPU pool"
+        " (swap, falling back to recompute when the CPU pool is full) or dropped and computed"
+        " again later (recompute)",
+    )
+    allocation: AllocationMode = setting(
+        AllocationMode.PAGED,
+        "paged: blocks taken on demand | contiguous: `max_model_len` reserved per sequence at"
+        " admission, as a pre-paging server would (kept for side-by-side benchmarks)",
+    )
+    cache_salt: str = setting(
+        "",
+        "part of every block hash's namespace: engines (and the page maps they write) with"
+        " different salts never share a block",
+    )
+    seed: int = setting(0, "the engine's generator for random sampling without a request seed")
+    num_threads: int = setting(
+        1,
+        "torch threads. With 2 threads on the 2-core machines single steps stalled for seconds;"
+        " 1 leaves a core for the event loop",
+    )
+    cuda_graphs: bool = setting(
+        True,
+        "decode steps on CUDA with the Triton backend replay CUDA graphs captured at start-up"
+        " for batch sizes 1, 2, 4, 8, then every multiple of 8 up to `max_num_seqs`; a batch is"
+        " padded to the next size, its padding rows writing only a scratch block of the device"
+        " pool. Prefill and mixed steps, the CPU and the torch backend run eagerly. Off: every"
+        " step eager (service/engine/cuda_graphs.py)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -19,6 +19,7 @@ from service.engine.blocks import (
     BlockManager,
     BlockStats,
     CacheScope,
+    KVInvariantError,
     SlotState,
     Tier,
     hash_blocks,
@@ -109,7 +110,7 @@ class SequencePages:
 
 
 @dataclass(slots=True, frozen=True)
-class PageMap:
+class KVSnapshot:
     """Who holds which KV slot right now: both tiers slot by slot, and the live tables."""
 
     block_size: int
@@ -117,6 +118,15 @@ class PageMap:
     cpu: list[SlotState]
     sequences: list[SequencePages]
     num_sequences: int  # live sequences in all; `sequences` may list only the first ones
+
+
+@dataclass(slots=True, frozen=True)
+class KVPages:
+    """Where a token sequence's KV pages are now: each full block's chain hash, in order, and
+    the tier holding that block (None: in no pool; a later prefill computes it again)."""
+
+    block_hashes: list[int]
+    tiers: list[Tier | None]
 
 
 @dataclass(slots=True)
@@ -238,11 +248,12 @@ class LLMEngine:
         if params.max_tokens > 0:  # a prefill-only request fills the cache; nobody asked it
             self._prompt_tokens += len(prompt_token_ids)
 
-    def block_hashes(self, token_ids: list[int], scope: CacheScope | None = None) -> list[int]:
-        """The chain hashes this engine gives the full blocks of `token_ids` in `scope`
-        (for page maps: `AsyncEngine.block_tiers` looks them up)."""
+    def pages_of(self, token_ids: list[int], scope: CacheScope | None = None) -> KVPages:
+        """The hashes this engine gives the full blocks of `token_ids` in `scope`, and where
+        each of those blocks is now (for the page maps stored with conversations)."""
         bm = self.block_manager
-        return hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
+        hashes = hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
+        return KVPages(hashes, [bm.tier_of(h) for h in hashes])
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and release its blocks. False if it is not running."""
@@ -335,11 +346,11 @@ class LLMEngine:
             timing=dataclasses.replace(self._timing),
         )
 
-    def page_map(self, max_sequences: int = 256) -> PageMap:
+    def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         """A snapshot of the KV pools for live views (read between steps, on this thread)."""
         live = self._live_sequences()
         bm = self.block_manager
-        return PageMap(
+        return KVSnapshot(
             block_size=bm.block_size,
             device=bm.slot_states(Tier.DEVICE),
             cpu=bm.slot_states(Tier.CPU),
@@ -358,11 +369,11 @@ class LLMEngine:
         )
 
     def check_balanced(self) -> None:
-        """Raise unless the KV pools' accounting holds for the sequences alive now."""
+        """KVInvariantError unless the KV pools' accounting holds for the sequences alive now."""
         live = self._live_sequences()
         self.block_manager.check_invariants(live)
-        if not live:
-            assert self.block_manager.is_idle_balanced(), "blocks leaked with no request alive"
+        if not live and not self.block_manager.is_idle_balanced():
+            raise KVInvariantError("blocks leaked with no request alive")
 
     # ------------------------------------------------------------------ internals
 

@@ -10,14 +10,11 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from service.engine.blocks import Block, CacheScope
 from service.engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    from service.engine.blocks import Block, CacheScope
 
 
 class SequenceStatus(enum.Enum):

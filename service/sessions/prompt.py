@@ -1,8 +1,10 @@
-"""How a conversation becomes token ids, turn after turn.
+"""How a conversation becomes token ids, turn after turn: the one prompt builder of the
+service, the terminal chat (`pagechat chat`) and the OpenAI endpoints.
 
 The first turn renders the chat template. Every later turn's prompt is the stored token ids
 of the conversation so far plus the new user turn's tokens, so the whole previous
-conversation is a prefix-cache hit while its blocks survive.
+conversation is a prefix-cache hit while its blocks survive. A request that carries its whole
+conversation (OpenAI's) is rendered whole, or left open to continue its last assistant turn.
 
 NOTE: the pieces (a user turn, the end of an assistant turn) are cut from the model's own
 template by rendering a small probe conversation with and without them, so any template whose
@@ -11,7 +13,7 @@ rendering only ever appends works; one that rewrites earlier turns is refused at
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from service.engine.tokenizer import Tokenizer
 from service.sessions.models import Message, Role
@@ -46,7 +48,23 @@ class ChatFormat:
         """A new conversation; system None keeps the template's default system prompt."""
         messages = [] if system is None else [{"role": "system", "content": system}]
         messages.append({"role": "user", "content": content})
-        return self.tokenizer.apply_chat_template(messages)
+        return self.conversation(messages)
+
+    def conversation(
+        self, turns: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """A whole conversation of `{"role", "content"}` turns through the template, contents
+        as plain text; with the generation prompt, the assistant's turn opened after it."""
+        return self.tokenizer.apply_chat_template(turns, add_generation_prompt)
+
+    def continuation(self, turns: Sequence[Mapping[str, str]]) -> list[int]:
+        """The conversation with its last (assistant) turn left open, so that the answer goes
+        on from its text: rendered closed, less the tokens that end a turn."""
+        closed = self.conversation(turns, add_generation_prompt=False)
+        end = self.end_of_turn
+        if closed[-len(end) :] != end:
+            raise TemplateError("this model's template cannot continue an assistant message")
+        return closed[: -len(end)]
 
     def system_prefix_len(self, system: str | None) -> int:
         """How many leading tokens of every conversation with this system prompt are the
@@ -77,7 +95,7 @@ class ChatFormat:
         turns = [] if system is None else [{"role": "system", "content": system}]
         turns += [{"role": str(m.role), "content": m.content} for m in messages]
         turns.append({"role": Role.USER.value, "content": content})
-        return self.tokenizer.apply_chat_template(turns)
+        return self.conversation(turns)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,6 +1,7 @@
-"""Who may come in (service/api/auth.py): the keys file, the failed-attempt limiter and the
-Origin rule as units; then API keys, tenants' separate sessions, the limiter and the Origin
-rule against a real `pagechat serve` with a keys file, over real WebSockets and HTTP.
+"""Who may come in (service/api/auth.py, and its HTTP guard, service/api/guard.py): the keys
+file, the gate and the Origin rule as units; then API keys, tenants' separate sessions, the
+failed-attempt limiter and the Origin rule against a real `pagechat serve` with a keys file,
+over real WebSockets and HTTP (the limiter alone: test_limiter.py).
 
 The server trusts 127.0.0.1 as a proxy, so a test client names its address with
 X-Forwarded-For; every test uses addresses of its own, since the limiter outlives tests.
@@ -26,12 +27,13 @@ from websockets.exceptions import InvalidStatus
 from websockets.typing import Origin
 
 from clients.chat_client import ChatClient, ChatServerError
-from protocol.frames import Error, ErrorCode, FrameError, SessionOpened
+from protocol.frames import Error, SessionOpened
 from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.config import ServerConfig
-from service.api.limiter import AttemptLimiter
 from service.api.options import add_arguments, config_from_args
+from service.api.refusal import Refusal, RefusalReason
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
+from tests.api.test_limiter import Clock
 
 ALICE = "alice-key-0123456789"  # tenant-a, admin
 BOB = "bob-key-0123456789abc"  # tenant-b
@@ -96,72 +98,22 @@ def test_serve_refuses_a_malformed_keys_file_at_start_up(tmp_path: Path) -> None
     assert f"{path}:2: the key has 5 characters" in done.stderr
 
 
-# ---------------------------------------------------------------------- the limiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_failures_after_the_free_ones_refuse_for_doubling_waits_up_to_the_cap() -> None:
-    clock = Clock()
-    limiter = AttemptLimiter(free=5, base_s=1.0, cap_s=8.0, window_s=60.0, clock=clock)
-    for _ in range(5):
-        limiter.fail("10.0.0.1")
-        assert limiter.retry_after("10.0.0.1") is None
-    waits = []
-    for _ in range(6):
-        limiter.fail("10.0.0.1")
-        wait = limiter.retry_after("10.0.0.1")
-        assert wait is not None
-        waits.append(wait)
-        clock.now += wait  # the client waits as told, then fails again
-        assert limiter.retry_after("10.0.0.1") is None
-    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-    assert limiter.retry_after("10.0.0.2") is None  # others are not slowed
-
-
-def test_failures_are_forgotten_after_the_window_or_on_success() -> None:
-    clock = Clock()
-    limiter = AttemptLimiter(free=1, base_s=1.0, cap_s=8.0, window_s=60.0, clock=clock)
-    limiter.fail("s")
-    clock.now += 61
-    limiter.fail("s")  # the first is forgotten: this one is free again
-    assert limiter.retry_after("s") is None
-    limiter.fail("s")
-    assert limiter.retry_after("s") == 1.0
-    limiter.forget("s")
-    assert limiter.retry_after("s") is None
-
-
-def test_the_limiter_keeps_at_most_max_subjects_dropping_the_stalest() -> None:
-    limiter = AttemptLimiter(free=0, max_subjects=100, clock=Clock())
-    for i in range(1000):
-        limiter.fail(f"10.0.{i // 256}.{i % 256}")
-    assert len(limiter) == 100
-    assert limiter.retry_after("10.0.0.0") is None  # dropped
-    assert limiter.retry_after("10.0.3.231") is not None  # the latest is kept
-    limiter.fail("x" * 100_000)  # a subject is cut short, not kept whole
-    assert limiter.retry_after("x" * 200) is not None
+# ---------------------------------------------------------------------- the gate
 
 
 def test_the_gate_counts_wrong_keys_but_not_missing_ones() -> None:
     gate = Gate(ApiKeys.parse(KEYS_FILE, "keys"), clock=Clock())
     for _ in range(20):
-        with pytest.raises(FrameError, match="needs an API key") as caught:
+        with pytest.raises(Refusal, match="needs an API key") as caught:
             gate.authenticate(None, "10.0.0.1")
-        assert caught.value.code is ErrorCode.UNAUTHORIZED
+        assert caught.value.reason is RefusalReason.UNAUTHORIZED
     assert gate.authenticate(BOB, "10.0.0.1").tenant == "tenant-b"
     for _ in range(6):
-        with pytest.raises(FrameError, match="not valid"):
+        with pytest.raises(Refusal, match="not valid"):
             gate.authenticate("wrong-key-0123456789", "10.0.0.1")
-    with pytest.raises(FrameError, match="too many failed attempts") as caught:
+    with pytest.raises(Refusal, match="too many failed attempts") as caught:
         gate.authenticate(BOB, "10.0.0.1")  # refused unheard, even with a good key
-    assert caught.value.code is ErrorCode.TOO_MANY_ATTEMPTS
+    assert caught.value.reason is RefusalReason.TOO_MANY_ATTEMPTS
     assert caught.value.retry_after_s == 1.0
 
 
@@ -256,7 +208,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[Se
         directory / "server.log",
         *("--redis-url", REDIS_URL, "--redis-prefix", prefix),
         *("--dtype", "float32", "--num-device-blocks", "64", "--num-cpu-blocks", "64"),
-        *("--max-model-len", "256", "--max-tokens-limit", "16", "--default-max-tokens", "8"),
+        *("--max-model-len", "256", "--max-tokens", "16", "--default-max-tokens", "8"),
         *("--api-keys-file", str(keys), "--allowed-origins", ALLOWED),
         *("--trusted-proxies", "127.0.0.1"),
     )

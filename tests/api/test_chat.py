@@ -59,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[Se
         *("--redis-url", REDIS_URL, "--redis-prefix", prefix),
         *("--num-device-blocks", "64", "--num-cpu-blocks", "512"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-message-chars", "4000"),
-        *("--max-connections", "8", "--max-inflight-turns", "3", "--max-tokens-limit", "1024"),
+        *("--max-connections", "8", "--max-inflight-turns", "3", "--max-tokens", "1024"),
         *("--max-frame-bytes", "65536", "--ws-max-size", "262144"),
         *("--dtype", DTYPE),
     )

@@ -147,7 +147,7 @@ async def test_a_dead_engine_fails_health_at_once_and_the_process_exits_3(
     command = [
         *(sys.executable, "-m", "tests.api.failing_engine", "3", "serve", "--port", "0"),
         *("--model", str(tiny), "--dtype", "float32"),
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--drain-timeout", "1"),
+        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--drain-timeout-s", "1"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:

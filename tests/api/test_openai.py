@@ -33,7 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         tmp_path_factory.mktemp("server"),
         *("--dtype", "float32"),
         *("--num-device-blocks", "64", "--num-cpu-blocks", "64"),
-        *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens-limit", "128"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "128"),
         *("--default-max-tokens", "64"),
         *("--max-inflight-turns", "1", "--ws-max-size", str(BODY_LIMIT)),
         *("--served-model-name", ",".join(NAMES), "--cors-allowed-origins", APP_ORIGIN),
@@ -388,7 +388,7 @@ def test_the_openai_options_parse_and_cors_origins_are_checked_at_start_up() -> 
         ["--served-model-name", "a, b,", "--cors-allowed-origins", "HTTPS://App.example:443/"]
     )
     config = config_from_args(args)
-    assert config.served_model_names == ("a", "b")
+    assert config.served_model_name == ("a", "b")
     assert config.cors_allowed_origins == ("https://app.example",)
     assert config_from_args(parser.parse_args([])).cors_allowed_origins == ()  # off
     with pytest.raises(ValueError, match="not an origin"):

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from service.api.config import Limits
 from service.api.openai import http_error
 from service.api.openai_completions import CompletionRequest
+from service.api.openai_errors import OpenAIError
 from service.api.openai_request import (
     ChatCompletionRequest,
     ChatMessageIn,
-    OpenAIError,
     StreamOptions,
     decode_request,
     render_prompt,

@@ -39,7 +39,7 @@ async def expect_shutdown(chat: ChatClient) -> None:
 async def test_shutdown_drains_and_a_restart_resumes_with_recomputed_history(
     tmp_path: Path,
 ) -> None:
-    args = ("--data-dir", str(tmp_path / "data"), "--drain-timeout", "4")
+    args = ("--data-dir", str(tmp_path / "data"), "--drain-timeout-s", "4")
     args += ("--kv-cache-mb", "32", "--swap-space-mb", "32", "--max-model-len", "1024")
     first = start_server(tmp_path / "first.log", *args)
     try:

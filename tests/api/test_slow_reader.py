@@ -1,4 +1,4 @@
-"""A client that stops reading mid-answer: the server drops it after `--send-timeout`, and the
+"""A client that stops reading mid-answer: the server drops it after `--send-timeout-s`, and the
 answer is stored as far as it got, every time (issue: 2 runs in 8 used to lose the turn, with
 "Unexpected ASGI message 'websocket.send', after sending 'websocket.close'" in the log).
 
@@ -97,8 +97,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[Un
     command = [
         *(sys.executable, "-m", "service.cli", "serve", "--uds", str(path)),
         *("--model", str(model), "--dtype", "float32", "--max-model-len", "4096"),
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--max-tokens-limit", "3000"),
-        *("--send-timeout", str(SEND_TIMEOUT_S), "--send-queue-frames", "64"),
+        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--max-tokens", "3000"),
+        *("--send-timeout-s", str(SEND_TIMEOUT_S), "--send-queue-frames", "64"),
         *("--num-device-blocks", "512"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -1,19 +1,26 @@
-"""Where a turn's prompt comes from: stored token ids, the template, or (for a page map
-written for another model) the stored text."""
+"""One turn (service/api/turn.py) in-process: a fake engine behind the engine interface and
+the real Redis on 127.0.0.1:6379. Where its prompt comes from (stored token ids, the
+template, or, for a page map of another model, the stored text), what it sends, stores and
+leaves the engine doing afterwards."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import AsyncIterator
 
 import pytest
 
+from protocol.frames import Delta, Done, ErrorCode, FinishReason, FrameError, ServerFrame
+from service.api.metrics import Metrics
 from service.api.turn import Turn
-from service.engine.blocks import CacheScope
+from service.engine.blocks import Tier
 from service.engine.params import SamplingParams
+from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.prompt import ChatFormat
-from tests.tiny_model import gguf_tokenizer
+from service.sessions.redis_server import connect
+from service.sessions.store import SessionStore
+from tests.api.server import REDIS_URL, delete_prefix, unique_prefix
+from tests.fake_engine import ANSWER, FakeEngine
 
 HISTORY = [
     Message(role=Role.USER, content="Hi", created=0.0),
@@ -21,35 +28,65 @@ HISTORY = [
 ]
 
 
-class _Store:
-    async def messages(self, session_id: str) -> list[Message]:
-        return HISTORY
+@pytest.fixture
+async def store() -> AsyncIterator[SessionStore]:
+    prefix = unique_prefix()
+    store = SessionStore(connect(REDIS_URL), prefix=prefix, ttl_s=600, replica="replica-a")
+    yield store
+    await store.close()
+    delete_prefix(prefix)
 
 
-@pytest.fixture(scope="module")
-def fmt() -> ChatFormat:
-    return ChatFormat(gguf_tokenizer())
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine(model_id="model-a")
+    await engine.start()
+    yield engine
+    await engine.stop()
+    engine.check_balanced()
 
 
-def turn(fmt: ChatFormat, *, tenant: str = "default", scope: str = "session") -> Turn:
-    config = SimpleNamespace(prefix_cache_scope=scope)
-    service: Any = SimpleNamespace(chat_format=fmt, model_id="model-a", config=config)
-    store: Any = _Store()
+@pytest.fixture
+def conversations(engine: FakeEngine) -> ConversationCache:
+    return ConversationCache(engine, ChatFormat(engine.tokenizer), replica_id="replica-a")
+
+
+class Client:
+    """What a connection would have sent."""
+
+    def __init__(self) -> None:
+        self.frames: list[ServerFrame] = []
+
+    async def send(self, frame: ServerFrame) -> None:
+        self.frames.append(frame)
+
+
+def turn(
+    engine: FakeEngine,
+    conversations: ConversationCache,
+    store: SessionStore,
+    session_id: str = "sid-0001",
+    *,
+    content: str = "Again",
+    client: Client | None = None,
+) -> Turn:
     return Turn(
-        service,
+        engine,
+        conversations,
+        Metrics(engine.stats),
         store,
-        tenant,
-        "sid",
-        "Again",
-        SamplingParams(),
+        "default",
+        session_id,
+        content,
+        SamplingParams(max_tokens=64),
         received=0.0,
-        send=None,  # type: ignore[arg-type]
+        send=(client or Client()).send,
     )
 
 
 def meta(turns: int, system: str | None = None) -> SessionMeta:
     return SessionMeta(
-        session_id="sid",
+        session_id="sid-0001",
         created=0.0,
         updated=0.0,
         owner="r",
@@ -62,7 +99,7 @@ def meta(turns: int, system: str | None = None) -> SessionMeta:
 def page_map(model_id: str) -> PageMap:
     return PageMap(
         token_ids=[7, 8, 9],
-        block_size=16,
+        block_size=4,
         block_hashes=[],
         tiers=[],
         namespace=model_id + "|",
@@ -73,43 +110,85 @@ def page_map(model_id: str) -> PageMap:
 
 
 async def test_the_first_turn_renders_the_template_with_the_system_prompt(
-    fmt: ChatFormat,
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
 ) -> None:
-    prompt = await turn(fmt)._prompt(meta(0, system="Be brief."), None)
-    assert prompt == fmt.first_prompt("Be brief.", "Again")
+    prompt = await turn(engine, conversations, store)._prompt(meta(0, system="Be brief."), None)
+    assert prompt == conversations.chat_format.first_prompt("Be brief.", "Again")
 
 
-async def test_later_turns_extend_the_stored_token_ids(fmt: ChatFormat) -> None:
-    prompt = await turn(fmt)._prompt(meta(1), page_map("model-a"))
-    assert prompt == [7, 8, 9, *fmt.user_turn("Again")]
+async def test_later_turns_extend_the_stored_token_ids(
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
+) -> None:
+    prompt = await turn(engine, conversations, store)._prompt(meta(1), page_map("model-a"))
+    assert prompt == [7, 8, 9, *conversations.chat_format.user_turn("Again")]
 
 
 async def test_a_page_map_of_another_model_falls_back_to_the_stored_text(
-    fmt: ChatFormat,
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
 ) -> None:
-    prompt = await turn(fmt)._prompt(meta(1), page_map("model-b"))
-    assert prompt == fmt.render(None, HISTORY, "Again")
+    session_id = (await store.create(model_id="model-b", system=None)).meta.session_id
+    lease = await store.begin_turn(session_id)
+    await store.append_turn(lease, HISTORY, page_map("model-b"))
+    await store.end_turn(lease)
+    prompt = await turn(engine, conversations, store, session_id)._prompt(
+        meta(1), page_map("model-b")
+    )
+    assert prompt == conversations.chat_format.render(None, HISTORY, "Again")
 
 
-def test_a_session_shares_only_its_system_prompt_blocks_with_other_sessions(
-    fmt: ChatFormat,
+async def test_a_turn_streams_stores_its_page_map_and_then_prefills_the_tail(
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
 ) -> None:
-    scope = turn(fmt)._cache_scope(meta(0, system="Be brief."))
-    shared = fmt.system_prefix_len("Be brief.")
-    assert scope == CacheScope(salt="", private="sid", shared_tokens=shared)
-    # The shared part is the prompt up to the user's words, whatever they are.
-    for content in ("a", "Hello there", "<|im_end|>"):
-        prompt = fmt.first_prompt("Be brief.", content)
-        assert prompt[:shared] == fmt.first_prompt("Be brief.", "zzz")[:shared]
-        assert shared < len(prompt)
-    assert "Be brief." in fmt.tokenizer.decode(fmt.first_prompt("Be brief.", "a")[:shared])
+    """The answer goes out as deltas, then `done`; the stored ids are the prompt, the answer
+    and the end of the turn, their full blocks on the device; and a second, prefill-only
+    request computes the stored conversation's tail, named after the session."""
+    session_id = (await store.create(model_id="model-a", system=None)).meta.session_id
+    client = Client()
+    await turn(engine, conversations, store, session_id, client=client).run()
+    *deltas, done = client.frames
+    assert all(isinstance(d, Delta) for d in deltas)
+    assert "".join(d.text for d in deltas if isinstance(d, Delta)) == ANSWER
+    assert isinstance(done, Done) and done.finish_reason is FinishReason.STOP
+    assert done.usage.completion_tokens == len(engine.answer_ids)
+
+    _, stored = await store.load(session_id)
+    assert stored is not None
+    chat_format = conversations.chat_format
+    prompt = chat_format.first_prompt(None, "Again")
+    answer = engine.answer_ids
+    assert stored.token_ids == prompt + answer + chat_format.close_turn(answer)
+    assert (stored.model_id, stored.namespace, stored.replica) == (
+        "model-a",
+        "model-a|",
+        "replica-a",
+    )
+    assert len(stored.block_hashes) == len(stored.tiers) == len(stored.token_ids) // 4
+    # Every block the answer's forward passes wrote is on the device; the tail's is not, yet.
+    fed = len(prompt) + len(answer) - 1
+    assert stored.tiers[: fed // 4] == ["device"] * (fed // 4)
+    assert stored.tiers[-1] == "none"
+
+    await conversations.wait_for_tail(session_id)
+    first, tail = engine.requests
+    assert first.request_id == f"{session_id}/0"
+    assert tail.request_id == f"{session_id}/tail/{len(stored.token_ids)}"
+    assert (tail.prompt, tail.params.max_tokens, tail.scope) == (
+        stored.token_ids,
+        0,
+        first.scope,
+    )
+    # The next turn finds every full block of the stored conversation cached.
+    pages = await engine.pages_of(stored.token_ids, tail.scope)
+    assert pages.tiers == [Tier.DEVICE] * len(stored.block_hashes)
 
 
-def test_global_scope_shares_everything_within_a_tenant_and_tenants_never(
-    fmt: ChatFormat,
+async def test_a_prompt_past_the_context_is_refused_and_nothing_is_stored(
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
 ) -> None:
-    assert turn(fmt, scope="global")._cache_scope(meta(0)) == CacheScope()
-    alice = turn(fmt, tenant="alice", scope="global")._cache_scope(meta(0))
-    bob = turn(fmt, tenant="bob", scope="global")._cache_scope(meta(0))
-    assert alice.salt and bob.salt and alice.salt != bob.salt
-    assert turn(fmt, tenant="alice")._cache_scope(meta(0)).salt == alice.salt
+    session_id = (await store.create(model_id="model-a", system=None)).meta.session_id
+    long = " ".join(["word"] * engine.limits.max_model_len)
+    with pytest.raises(FrameError) as refused:
+        await turn(engine, conversations, store, session_id, content=long).run()
+    assert refused.value.code is ErrorCode.CONTEXT_LENGTH
+    _, stored = await store.load(session_id)
+    assert stored is None and engine.requests == []

@@ -18,7 +18,7 @@ import pytest
 
 from clients.chat_client import ChatClient
 from protocol.frames import Delta
-from service.api.pagemap import session_tag
+from service.api.kv_view import session_tag
 from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
 

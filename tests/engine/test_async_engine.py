@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine, EngineDeadError
-from service.engine.blocks import CacheScope
+from service.engine.async_engine import AsyncEngine
+from service.engine.blocks import CacheScope, Tier, hash_blocks
 from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
+from service.engine.serving import EngineDeadError
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import greedy, run
 
@@ -116,7 +117,7 @@ async def test_parallel_samples_arrive_on_one_stream(make_engine: EngineFactory)
     assert per_sample == {0: 5, 1: 5, 2: 5}
 
 
-async def test_page_map_is_taken_between_steps_and_refused_once_stopped(
+async def test_a_kv_snapshot_is_taken_between_steps_and_refused_once_stopped(
     make_engine: EngineFactory,
 ) -> None:
     engine = AsyncEngine(make_engine(block_size=4))
@@ -130,7 +131,7 @@ async def test_page_map_is_taken_between_steps_and_refused_once_stopped(
             seen_lengths = set()
             for _ in range(6):
                 await anext(stream)
-                (seq,) = (await engine.page_map()).sequences
+                (seq,) = (await engine.kv_snapshot()).sequences
                 assert (seq.request_id, seq.status) == ("pm", "running")
                 # Between steps a decoding sequence's newest token has no K/V yet, and
                 # its slot is only taken when the next step is scheduled: the blocks
@@ -140,14 +141,37 @@ async def test_page_map_is_taken_between_steps_and_refused_once_stopped(
                 seen_lengths.add(seq.num_tokens % 4)
             assert len(seen_lengths) > 1
         # Leaving the stream queued its abort; the snapshot, queued after it, sees it done.
-        assert (await engine.page_map()).num_sequences == 0
+        assert (await engine.kv_snapshot()).num_sequences == 0
     finally:
         await engine.stop()
     with pytest.raises(EngineDeadError):
-        await engine.page_map()
+        await engine.kv_snapshot()
 
 
-async def test_a_page_map_asked_for_when_the_engine_fails_fails_too(
+async def test_pages_of_a_conversation_are_read_on_the_engine_thread_and_once_it_stopped(
+    make_engine: EngineFactory,
+) -> None:
+    engine = AsyncEngine(make_engine(block_size=4))
+    await engine.start()
+    ids = prompt(9, 14)  # 3 full blocks and 2 tokens
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        async with contextlib.aclosing(engine.generate(ids, params, "pages")) as stream:
+            await anext(stream)
+            # Asked while the request decodes: its prompt's full blocks are on the device.
+            running = await engine.pages_of(ids, None)
+            assert running.tiers == [Tier.DEVICE] * 3
+            assert running.block_hashes == hash_blocks(ids, 4, engine.namespace)
+        unseen = await engine.pages_of(prompt(10, 14), None)
+        assert unseen.tiers == [None] * 3
+    finally:
+        await engine.stop()
+    # No thread any more: answered at once, from the blocks as the engine left them (cached).
+    assert await engine.pages_of(ids, None) == running
+    assert (await engine.pages_of(ids, CacheScope(salt="other"))).tiers == [None] * 3
+
+
+async def test_a_kv_snapshot_asked_for_when_the_engine_fails_fails_too(
     make_engine: EngineFactory,
 ) -> None:
     sync_engine = make_engine()
@@ -164,7 +188,7 @@ async def test_a_page_map_asked_for_when_the_engine_fails_fails_too(
     stream = engine.generate(prompt(7), greedy(4), "boom")
     first = asyncio.create_task(anext(stream))
     await asyncio.to_thread(in_step.wait, 10)
-    snapshot = asyncio.create_task(engine.page_map())
+    snapshot = asyncio.create_task(engine.kv_snapshot())
     await asyncio.sleep(0.05)  # queued behind the step in flight
     fail_now.set()
     with pytest.raises(EngineDeadError):

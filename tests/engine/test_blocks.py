@@ -10,6 +10,9 @@ wrong.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,6 +31,7 @@ from service.engine.blocks import (
     BlockManager,
     BlockOp,
     CacheScope,
+    KVInvariantError,
     OpKind,
     SlotState,
     Tier,
@@ -888,7 +892,7 @@ def test_check_invariants_catches_a_ref_count_bumped_by_hand() -> None:
     assert admit(bm, kv, seq, chunk=3)
     bm.check_invariants([seq])
     seq.block_table[0].ref_count += 1
-    with pytest.raises(AssertionError, match="ref count"):
+    with pytest.raises(KVInvariantError, match="ref count"):
         bm.check_invariants([seq])
 
 
@@ -897,7 +901,7 @@ def test_check_invariants_catches_a_slot_in_two_places() -> None:
     seq = make_seq([1, 2, 3])
     assert admit(bm, kv, seq, chunk=3)
     seq.block_table[1].slot = seq.block_table[0].slot
-    with pytest.raises(AssertionError, match="misplaced"):
+    with pytest.raises(KVInvariantError, match="misplaced"):
         bm.check_invariants([seq])
 
 
@@ -908,8 +912,30 @@ def test_check_invariants_catches_a_table_holding_a_released_block() -> None:
     stale = list(seq.block_table)
     bm.free(seq)
     seq.block_table.extend(stale)
-    with pytest.raises(AssertionError, match="released"):
+    with pytest.raises(KVInvariantError, match="released"):
         bm.check_invariants([seq])
+
+
+def test_check_invariants_holds_under_python_dash_o() -> None:
+    """Raised, not asserted: optimized Python, which drops every assert, still reports a
+    leak (the server's exit status depends on it)."""
+    script = (
+        "from service.engine.blocks import BlockManager, KVInvariantError, PrefixHit\n"
+        "from service.engine.params import SamplingParams\n"
+        "from service.engine.sequence import Sequence\n"
+        "bm = BlockManager(4, 0, 2, namespace='n')\n"
+        "seq = Sequence('r', 0, [1, 2, 3], 3, SamplingParams())\n"
+        "bm.allocate(seq, PrefixHit(block_size=2), 3)\n"
+        "seq.block_table[0].ref_count += 1\n"
+        "try:\n"
+        "    bm.check_invariants([seq])\n"
+        "except KVInvariantError as exc:\n"
+        "    print('caught', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", script], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "caught ref count != holders"
 
 
 def test_is_idle_balanced_only_once_everything_is_released() -> None:
@@ -1277,7 +1303,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         try:
             self.bm.check_invariants(self.live)
-        except AssertionError:
+        except KVInvariantError:
             return  # a rule or an invariant has already failed: that is the report
         for seq in self.live:
             self.bm.free(seq)

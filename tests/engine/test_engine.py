@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from service.engine.blocks import CacheScope
+from service.engine.blocks import CacheScope, Tier
 from service.engine.engine import RequestError
 from service.engine.params import SamplingParams
 from tests.engine.conftest import EngineFactory
@@ -261,12 +261,12 @@ def test_parallel_samples_never_exceed_max_num_seqs(make_engine: EngineFactory) 
     assert len({tuple(s) for s in samples.values()}) == 1  # greedy: all alike
 
 
-def test_page_map_shows_every_live_table_and_the_slots_they_hold(
+def test_a_kv_snapshot_shows_every_live_table_and_the_slots_they_hold(
     make_engine: EngineFactory,
 ) -> None:
-    """Forked samples share their prompt's full blocks: the map shows them shared, each
+    """Forked samples share their prompt's full blocks: the snapshot shows them shared, each
     sample's own last block in use, and nothing left but cached blocks once they finish."""
-    from service.engine.blocks import SlotState, Tier
+    from service.engine.blocks import SlotState
 
     engine = make_engine(block_size=4, max_num_batched_tokens=64)
     prompt = random_prompts(1, seed=17, lengths=(10, 10))["r0"]  # 2 full blocks + 2 tokens
@@ -274,27 +274,27 @@ def test_page_map_shows_every_live_table_and_the_slots_they_hold(
     engine.add_request("fork", prompt, params)
     engine.step()  # prefill, then the samples fork
     engine.step()
-    page_map = engine.page_map()
-    assert page_map.block_size == 4
-    assert page_map.num_sequences == len(page_map.sequences) == 3
-    assert sorted(s.sample_index for s in page_map.sequences) == [0, 1, 2]
+    snapshot = engine.kv_snapshot()
+    assert snapshot.block_size == 4
+    assert snapshot.num_sequences == len(snapshot.sequences) == 3
+    assert sorted(s.sample_index for s in snapshot.sequences) == [0, 1, 2]
     holders: dict[tuple[Tier, int], int] = {}
-    for seq in page_map.sequences:
+    for seq in snapshot.sequences:
         assert seq.request_id == "fork" and seq.status == "running"
         # The newest token has no K/V yet: the blocks hold the computed tokens.
         assert len(seq.blocks) == -(-seq.num_computed_tokens // 4)
         for block in seq.blocks:
             holders[block] = holders.get(block, 0) + 1
     for (tier, slot), count in holders.items():
-        states = page_map.device if tier is Tier.DEVICE else page_map.cpu
+        states = snapshot.device if tier is Tier.DEVICE else snapshot.cpu
         assert states[slot] is (SlotState.SHARED if count > 1 else SlotState.IN_USE)
-    held = sum(s in (SlotState.IN_USE, SlotState.SHARED) for s in page_map.device)
+    held = sum(s in (SlotState.IN_USE, SlotState.SHARED) for s in snapshot.device)
     assert held == len(holders)
-    assert engine.page_map(max_sequences=1).sequences == page_map.sequences[:1]
+    assert engine.kv_snapshot(max_sequences=1).sequences == snapshot.sequences[:1]
 
     while engine.has_unfinished_requests():
         engine.step()
-    idle = engine.page_map()
+    idle = engine.kv_snapshot()
     assert idle.sequences == [] and idle.num_sequences == 0
     assert set(idle.device) <= {SlotState.FREE, SlotState.CACHED}
     assert SlotState.CACHED in idle.device
@@ -328,5 +328,13 @@ def test_sessions_with_private_scopes_share_only_the_system_prompts_blocks(
                 cached[rid] = out.num_cached_tokens
         assert tokens == reference, rid
     assert cached == {"alice": 0, "bob": 32, "alice-again": 64, "unscoped": 32, "tenant": 0}
-    assert engine.block_hashes(prompt, bob)[:2] == engine.block_hashes(prompt, alice)[:2]
-    assert engine.block_hashes(prompt, bob)[2:] != engine.block_hashes(prompt, alice)[2:]
+    bobs, alices = engine.pages_of(prompt, bob), engine.pages_of(prompt, alice)
+    assert bobs.block_hashes[:2] == alices.block_hashes[:2]
+    assert bobs.block_hashes[2:] != alices.block_hashes[2:]
+    # Both sessions' blocks stay cached on the device; a third's were never computed.
+    assert alices.tiers == bobs.tiers == [Tier.DEVICE] * 4
+    assert engine.pages_of(prompt, CacheScope(private="carol", shared_tokens=32)).tiers == [
+        *([Tier.DEVICE] * 2),
+        None,
+        None,
+    ]

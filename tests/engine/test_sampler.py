@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.engine.params import SamplingParams
-from service.engine.sampler import Sampler, SamplingRow
+from service.engine.sampler import Sampler, SamplingRow, _top_k_top_p
 
 V = 8
 
@@ -63,3 +63,46 @@ def test_a_bias_past_the_vocabulary_is_skipped_and_the_input_left_alone(
 def test_logit_bias_is_validated(bias: tuple[tuple[int, float], ...]) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+# ---------------------------------------------------------------------- top-k and top-p
+
+
+def kept(masked: torch.Tensor) -> list[list[int]]:
+    """Per row, the token ids the mask leaves (finite logits), in id order."""
+    return [torch.isfinite(r).nonzero().flatten().tolist() for r in masked]
+
+
+def test_top_k_keeps_the_k_largest_logits_of_each_row() -> None:
+    x = logits([0.0, 3.0, 1.0, 2.0, -1.0, 0.5, 4.0, -2.0], [9.0, 8.0, 7.0, 6.0, 5, 4, 3, 2])
+    assert kept(_top_k_top_p(x, [3, 1], [1.0, 1.0])) == [[1, 3, 6], [0]]
+    # 0 is off, and so is a k past the vocabulary.
+    assert kept(_top_k_top_p(x, [0, V + 5], [1.0, 1.0])) == [list(range(V))] * 2
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p_and_always_the_top_token() -> None:
+    probs = [0.5, 0.2, 0.15, 0.1, 0.05]  # already sorted, ids 0..4
+    x = torch.tensor([probs] * 4).log()
+    # The mass before each token: 0, .5, .7, .85, .95. A token stays while that is below p.
+    masked = _top_k_top_p(x, [0, 0, 0, 0], [0.5, 0.51, 0.9, 0.01])
+    assert kept(masked) == [[0], [0, 1], [0, 1, 2, 3], [0]]
+    # What is kept keeps its logit: the mask only removes.
+    assert torch.equal(masked[2, :4], x[2, :4])
+
+
+def test_top_p_counts_mass_after_top_k_has_cut() -> None:
+    x = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # Alone, top-p 0.5 keeps two: the mass before the second is 0.4. Within the top 2 the
+    # mass is renormalized to 4/7 and 3/7, and 4/7 already reaches 0.5.
+    assert kept(_top_k_top_p(x, [0], [0.5])) == [[0, 1]]
+    assert kept(_top_k_top_p(x, [2], [0.5])) == [[0]]
+    assert kept(_top_k_top_p(x, [2], [0.6])) == [[0, 1]]
+
+
+def test_random_draws_never_leave_the_mask(sampler: Sampler) -> None:
+    x = logits([0.0, 3.0, 1.0, 2.0, -1.0, 0.5, 4.0, -2.0])
+    drawn = {sampler(x, [row(temperature=2.0, top_k=3)])[0].token_id for _ in range(200)} | {
+        sampler(x, [row(temperature=2.0, top_p=0.3)])[0].token_id for _ in range(50)
+    }
+    assert drawn <= {1, 3, 6}
+    assert 1 in drawn  # a temperature of 2 reaches past the top token

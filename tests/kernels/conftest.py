@@ -7,3 +7,9 @@ before any kernel module is imported: this conftest is loaded before the test mo
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The engine's fixtures (a tiny model, engines checked balanced after each test), for
+# test_triton_backend.py: the whole engine on these kernels.
+from tests.engine.conftest import make_engine, tiny_model, tiny_model_dir
+
+__all__ = ["make_engine", "tiny_model", "tiny_model_dir"]

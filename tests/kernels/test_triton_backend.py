@@ -1,4 +1,5 @@
-"""The engine's equality tests again with the Triton kernels (interpreted on the CPU).
+"""kernels/triton_backend.py in the engine: its equality tests again with the Triton kernels
+(interpreted on the CPU).
 
 Small sizes: every kernel launch runs through TRITON_INTERPRET, about a second per step here.
 Each test compares the Triton engine with the torch reference engine run the plain way.

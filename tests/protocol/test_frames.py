@@ -1,4 +1,4 @@
-"""The wire frames: validation, both encodings, and the size limit."""
+"""The wire frames (protocol/frames.py): validation, both encodings, and the size limit."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from protocol.frames import (
     FrameError,
     Open,
     Resume,
-    Sampling,
     ServerFrame,
     Timing,
     Usage,
     User,
+    UserParams,
 )
 
 LIMIT = 1024
@@ -45,7 +45,7 @@ def payload(codec: Codec, obj: object) -> tuple[str | None, bytes | None]:
         ({"type": "user", "content": "hi"}, User(content="hi")),
         (
             {"type": "user", "content": "hi", "params": {"max_tokens": 5, "temperature": 0}},
-            User(content="hi", params=Sampling(max_tokens=5, temperature=0.0)),
+            User(content="hi", params=UserParams(max_tokens=5, temperature=0.0)),
         ),
         ({"type": "cancel"}, Cancel()),
     ],

@@ -1,6 +1,6 @@
 """The /v1/kv document: both KV pools slot by slot, and which sequence holds which slots.
 
-It feeds the live page-map view at /kv. Slot states are one character each (`.` free, `u` in
+It feeds the live view of the pools at /kv. Slot states are one character each (`.` free, `u` in
 use, `s` shared by several tables, `c` cached for a prefix hit), so even a pool of tens of
 thousands of blocks is a short string. Sequences are named by an opaque tag of their session
 (the first 8 hex digits of its SHA-256) and the turn, never by the session id itself.
@@ -13,7 +13,7 @@ import hashlib
 import msgspec
 
 from service.engine.blocks import SlotState, Tier
-from service.engine.engine import PageMap
+from service.engine.engine import KVSnapshot
 
 SLOT_CHARS = {
     SlotState.FREE: ".",
@@ -32,7 +32,7 @@ class SequenceView(msgspec.Struct, kw_only=True):
     blocks: list[str]  # "d12" = device slot 12, "c3" = CPU slot 3, in table order
 
 
-class KVPageMap(msgspec.Struct, kw_only=True):
+class KVView(msgspec.Struct, kw_only=True):
     block_size: int
     device: str  # one character per device slot
     cpu: str  # one character per CPU slot
@@ -52,11 +52,11 @@ def _label(request_id: str, sample_index: int) -> str:
     return label if sample_index == 0 else f"{label}#{sample_index}"
 
 
-def view(page_map: PageMap) -> KVPageMap:
-    return KVPageMap(
-        block_size=page_map.block_size,
-        device="".join(SLOT_CHARS[s] for s in page_map.device),
-        cpu="".join(SLOT_CHARS[s] for s in page_map.cpu),
+def view(snapshot: KVSnapshot) -> KVView:
+    return KVView(
+        block_size=snapshot.block_size,
+        device="".join(SLOT_CHARS[s] for s in snapshot.device),
+        cpu="".join(SLOT_CHARS[s] for s in snapshot.cpu),
         sequences=[
             SequenceView(
                 label=_label(seq.request_id, seq.sample_index),
@@ -65,7 +65,7 @@ def view(page_map: PageMap) -> KVPageMap:
                 computed=seq.num_computed_tokens,
                 blocks=[f"{TIER_CHARS[tier]}{slot}" for tier, slot in seq.blocks],
             )
-            for seq in page_map.sequences
+            for seq in snapshot.sequences
         ],
-        num_sequences=page_map.num_sequences,
+        num_sequences=snapshot.num_sequences,
     )

@@ -1,0 +1,80 @@
+"""What a client asks for, as the engine's SamplingParams within the server's limits: the one
+builder of the WebSocket (`user` frames) and the OpenAI endpoints. Each transport maps a
+`SamplingRefused` to its own error."""
+
+from __future__ import annotations
+
+import enum
+
+from service.api.config import Limits
+from service.engine.params import SamplingParams
+
+
+class Refused(enum.Enum):
+    INVALID = "invalid"  # out of range, or not a value at all
+    OVER_LIMIT = "over_limit"  # max_tokens over --max-tokens
+    CONTEXT = "context"  # max_tokens more than the context has left after the prompt
+
+
+class SamplingRefused(ValueError):
+    def __init__(self, message: str, param: str | None, why: Refused = Refused.INVALID) -> None:
+        super().__init__(message)
+        self.param = param  # the SamplingParams field it is about, when one is
+        self.why = why
+
+
+def sampling_params(
+    limits: Limits,
+    *,
+    max_tokens: int | None,  # as asked; None: `default_max_tokens`
+    default_max_tokens: int,
+    room: int | None = None,  # tokens the context leaves for an answer; None: not checked
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
+    n: int = 1,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    stop_token_ids: tuple[int, ...] = (),
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+) -> SamplingParams:
+    """An explicit max_tokens is refused under 1 (0 is no answer at all, never "the default":
+    leaving it out is), over the limit, or (given `room`) past what the context holds."""
+    if max_tokens is not None and max_tokens < 1:
+        raise SamplingRefused("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise SamplingRefused(
+            f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}",
+            "max_tokens",
+            Refused.OVER_LIMIT,
+        )
+    if max_tokens is not None and room is not None and max_tokens > room:
+        raise SamplingRefused(
+            f"max_tokens is {max_tokens}; the context has room for {room}",
+            "max_tokens",
+            Refused.CONTEXT,
+        )
+    try:
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            n=n,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+            logit_bias=logit_bias,
+        )
+    except ValueError as exc:
+        raise SamplingRefused(str(exc), _field_named(str(exc))) from None
+
+
+def _field_named(message: str) -> str | None:
+    """The field a SamplingParams error is about ("top_p must be ..." -> top_p)."""
+    name = message.split(" ", 1)[0]
+    return name if name in SamplingParams.__struct_fields__ else None

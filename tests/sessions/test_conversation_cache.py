@@ -1,0 +1,102 @@
+"""ConversationCache (service/sessions/conversation_cache.py): who may share a conversation's
+blocks, the page map stored with a turn, and the tail prefill, on a fake engine behind the
+engine interface."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from service.api.auth import cache_salt_for
+from service.engine.blocks import CacheScope
+from service.sessions.conversation_cache import ConversationCache
+from service.sessions.prompt import ChatFormat
+from tests.fake_engine import FakeEngine
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine(model_id="model-a", block_size=4)
+    await engine.start()
+    yield engine
+    await engine.stop()
+    engine.check_balanced()
+
+
+def cache(engine: FakeEngine, *, share_across_sessions: bool = False) -> ConversationCache:
+    return ConversationCache(
+        engine,
+        ChatFormat(engine.tokenizer),
+        replica_id="replica-a",
+        share_across_sessions=share_across_sessions,
+    )
+
+
+def test_a_session_shares_only_its_system_prompt_blocks_with_other_sessions(
+    engine: FakeEngine,
+) -> None:
+    conversations = cache(engine)
+    fmt = conversations.chat_format
+    scope = conversations.scope("", "sid", "Be brief.")
+    shared = fmt.system_prefix_len("Be brief.")
+    assert scope == CacheScope(salt="", private="sid", shared_tokens=shared)
+    # The shared part is the prompt up to the user's words, whatever they are.
+    for content in ("a", "Hello there", "<|im_end|>"):
+        prompt = fmt.first_prompt("Be brief.", content)
+        assert prompt[:shared] == fmt.first_prompt("Be brief.", "zzz")[:shared]
+        assert shared < len(prompt)
+    assert "Be brief." in fmt.tokenizer.decode(fmt.first_prompt("Be brief.", "a")[:shared])
+
+
+def test_global_scope_shares_everything_within_a_tenant_and_tenants_never(
+    engine: FakeEngine,
+) -> None:
+    conversations = cache(engine, share_across_sessions=True)
+    assert conversations.scope(cache_salt_for("default"), "sid", None) == CacheScope()
+    alice = conversations.scope(cache_salt_for("alice"), "sid", None)
+    bob = conversations.scope(cache_salt_for("bob"), "sid", None)
+    assert alice.salt and bob.salt and alice.salt != bob.salt
+    assert cache(engine).scope(cache_salt_for("alice"), "sid", None).salt == alice.salt
+
+
+async def test_the_page_map_says_where_each_full_block_is_and_who_wrote_it(
+    engine: FakeEngine,
+) -> None:
+    conversations = cache(engine)
+    scope = conversations.scope("", "sid", None)
+    ids = list(range(100, 114))  # 3 full blocks of 4, and 2 tokens
+    assert (await conversations.page_map(ids, scope)).tiers == ["none"] * 3
+    async for _ in engine.generate(ids[:9], cache_scope=scope):  # computes the first 2 blocks
+        pass
+    page_map = await conversations.page_map(ids, scope)
+    assert page_map.tiers == ["device", "device", "none"]
+    assert page_map.block_hashes == (await engine.pages_of(ids, scope)).block_hashes
+    assert (page_map.token_ids, page_map.block_size) == (ids, 4)
+    assert (page_map.model_id, page_map.namespace, page_map.replica) == (
+        "model-a",
+        "model-a|",
+        "replica-a",
+    )
+
+
+async def test_the_tail_prefill_is_one_prefill_only_request_the_next_turn_waits_for(
+    engine: FakeEngine,
+) -> None:
+    conversations = cache(engine)
+    scope = conversations.scope("", "sid", None)
+    ids = list(range(100, 112))
+    conversations.prefill_tail("sid", ids, scope)
+    await conversations.wait_for_tail("sid")
+    (request,) = engine.requests
+    assert (request.request_id, request.prompt, request.params.max_tokens) == (
+        "sid/tail/12",
+        ids,
+        0,
+    )
+    assert request.scope == scope
+    await conversations.wait_for_tail("no-such-session")  # nothing to wait for
+    conversations.close()  # draining: no more of them
+    conversations.prefill_tail("sid", [*ids, 1, 2, 3, 4], scope)
+    await conversations.stop()
+    assert len(engine.requests) == 1

@@ -1,0 +1,102 @@
+"""`pagechat chat` and `pagechat generate` (service/cli.py) on a tiny model: prompts are built
+as the service builds them, every turn's on the previous turns' ids as the model saw them."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service import cli
+from service.engine.engine import LLMEngine, RequestOutput
+from service.engine.params import SamplingParams
+from service.engine.tokenizer import Tokenizer
+from service.sessions.prompt import ChatFormat
+from tests.tiny_model import gguf_tokenizer, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+class Recorded:
+    """Each request's prompt and the tokens it was answered with, read off the real engine."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+        self.answers: list[list[int]] = []
+        self.engines: list[LLMEngine] = []
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorded]:
+    seen = Recorded()
+    add, step = LLMEngine.add_request, LLMEngine.step
+
+    def add_request(
+        self: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams | None = None
+    ) -> None:
+        seen.prompts.append(list(prompt))
+        seen.answers.append([])
+        seen.engines.append(self)
+        add(self, request_id, prompt, params)
+
+    def recording_step(self: LLMEngine) -> list[RequestOutput]:
+        outputs = step(self)
+        for out in outputs:
+            seen.answers[-1].extend(out.new_token_ids)
+        return outputs
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    yield seen
+    for engine in seen.engines:
+        engine.check_balanced()
+
+
+def typed(monkeypatch: pytest.MonkeyPatch, *lines: str) -> None:
+    """What the user types at the prompt, then Ctrl-D."""
+    pending = list(lines)
+
+    def read(prompt: str = "") -> str:
+        if not pending:
+            raise EOFError
+        return pending.pop(0)
+
+    monkeypatch.setattr(builtins, "input", read)
+
+
+ENGINE_ARGS = ("--dtype", "float32", "--device", "cpu", "--max-tokens", "6")
+
+
+def chat_format() -> tuple[ChatFormat, Tokenizer]:
+    tokenizer = gguf_tokenizer()
+    return ChatFormat(tokenizer), tokenizer
+
+
+def test_chat_prompts_extend_the_previous_turns_ids_as_the_model_saw_them(
+    model_dir: Path, recorded: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    typed(monkeypatch, "Hi", "And again?", "Third")
+    args = ["chat", "--model", str(model_dir), "--system", "Be brief.", *ENGINE_ARGS]
+    assert cli.main(args) == 0
+    fmt, _ = chat_format()
+    first, second, third = recorded.prompts
+    assert first == fmt.first_prompt("Be brief.", "Hi")
+    answer = recorded.answers[0]
+    assert second == first + answer + fmt.close_turn(answer) + fmt.user_turn("And again?")
+    answer = recorded.answers[1]
+    assert third == second + answer + fmt.close_turn(answer) + fmt.user_turn("Third")
+
+
+def test_generate_renders_one_turn_with_the_template(
+    model_dir: Path, recorded: Recorded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["generate", "--model", str(model_dir), *ENGINE_ARGS, "Hello?"]) == 0
+    fmt, tokenizer = chat_format()
+    assert recorded.prompts == [fmt.first_prompt(None, "Hello?")]
+    printed = capsys.readouterr().out
+    assert printed == tokenizer.decode(recorded.answers[0], True) + "\n"
