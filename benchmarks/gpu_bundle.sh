@@ -8,7 +8,7 @@
 #   benchmarks/gpu_bundle.sh [DIR]     # default .whl; PYTHON=.venv/bin/python; ~11 MiB
 #   then, with a GPU lent: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"])
 #
-# Versions are requirements.lock's, one of each. Assumed on the image, so not shipped (the
+# Versions are the locks' (requirements.lock, then requirements-dev.lock), one of each. Assumed on the image, so not shipped (the
 # device notes' package list, 2026-11; gpu_check.sh imports everything first and stops naming
 # what is missing): torch, triton, numpy, jinja2, tokenizers, safetensors, psutil,
 # prometheus-client, anyio, click, h11, pyyaml, requests, tqdm, setuptools, typing-extensions,
@@ -27,9 +27,9 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp
 
 specs=()
 for name in "${shipped[@]}"; do
-    pin=$(grep -i "^${name}==" requirements.lock || true)
+    pin=$(cat requirements.lock requirements-dev.lock | grep -i "^${name}==" || true)
     if [ -z "$pin" ]; then
-        echo "gpu_bundle: $name is not pinned in requirements.lock" >&2
+        echo "gpu_bundle: $name is not pinned in requirements.lock or requirements-dev.lock" >&2
         exit 1
     fi
     specs+=("$pin")

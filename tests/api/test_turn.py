@@ -73,7 +73,7 @@ def turn(
     return Turn(
         engine,
         conversations,
-        Metrics(engine.stats),
+        Metrics(engine.stats, lambda: engine.model_id),
         store,
         "default",
         session_id,

@@ -33,7 +33,8 @@ def test_the_bundle_holds_the_locked_wheels_for_the_gpu_python_and_the_tokenizer
     wheels = sorted(p.name for p in bundle.glob("*.whl"))
     locked = dict(
         line.lower().replace("-", "_").split("==")
-        for line in (ROOT / "requirements.lock").read_text().splitlines()
+        for lock in ("requirements.lock", "requirements-dev.lock")
+        for line in (ROOT / lock).read_text().splitlines()
         if "==" in line
     )
     # One wheel per package, at the locked version, built for CPython 3.12 or pure Python.
