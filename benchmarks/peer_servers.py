@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -60,8 +61,12 @@ class LlamaServer:
             *extra,
         ]
         self.log = log
+        # The build uses OpenMP; -t alone decides its threads (make exports OMP_NUM_THREADS=1).
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:

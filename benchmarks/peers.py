@@ -46,6 +46,7 @@ from benchmarks.sse_client import StreamError, StreamResult, stream_chat
 from service.engine.loader import default_model_path
 
 LLAMA = "llama-server"
+BUSY_LOAD = 1.0  # a 1-minute load average above this before the run earns a warning
 # Questions the prompts are built from; a stream takes one by its index.
 QUESTIONS = (
     "Why is the sky blue during the day and red at sunset?",
@@ -166,6 +167,7 @@ class Summary:
     ttft_p50_s: float  # over every stream of every round
     ttft_mean_s: float
     prompt_tokens_mean: float
+    loadavg_mean: float  # the 1-minute load average after each of its rounds
     tokens_per_s_ratio: float | None = None  # this / llama-server's
     ttft_p50_ratio: float | None = None
 
@@ -187,6 +189,7 @@ def summarize(measurements: Sequence[Measurement], reference: str = LLAMA) -> li
                 ttft_p50_s=statistics.median(ttfts),
                 ttft_mean_s=statistics.fmean(ttfts),
                 prompt_tokens_mean=statistics.fmean(p for m in ms for p in m.prompt_tokens),
+                loadavg_mean=statistics.fmean(m.loadavg_1m for m in ms),
             )
         )
     refs = {s.streams: s for s in out if s.server == reference}
@@ -209,14 +212,14 @@ def markdown(summaries: Sequence[Summary], peaks: dict[str, Peak]) -> str:
             f"{streams} concurrent stream{'s' if streams > 1 else ''}:",
             "",
             "| server | tokens/s by round | tokens/s | TTFT p50 | TTFT mean | prompt tokens "
-            "| tokens/s vs llama-server | TTFT p50 vs llama-server |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| load avg | tokens/s vs llama-server | TTFT p50 vs llama-server |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in (s for s in summaries if s.streams == streams):
             rounds = ", ".join(f"{v:.1f}" for v in s.tokens_per_s_rounds)
             lines.append(
                 f"| {s.server} | {rounds} | {s.tokens_per_s:.1f} | {s.ttft_p50_s:.3f} s | "
-                f"{s.ttft_mean_s:.3f} s | {s.prompt_tokens_mean:.0f} | "
+                f"{s.ttft_mean_s:.3f} s | {s.prompt_tokens_mean:.0f} | {s.loadavg_mean:.1f} | "
                 f"{_ratio(s.tokens_per_s_ratio)} | {_ratio(s.ttft_p50_ratio)} |"
             )
         lines.append("")
@@ -328,7 +331,7 @@ def run(args: argparse.Namespace, model: Path, configs: list[str]) -> Run:
     peaks = RssPeaks()
     peaks.start()
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp, contextlib.ExitStack() as stack:
-        stack.callback(peaks.stop)  # runs first: the servers' shutdown is not sampled
+        stack.callback(peaks.stop)  # last, after every server has stopped
         targets: list[Target] = []
         for i, extra in enumerate(configs):
             label = pagechat_label(extra)
@@ -377,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.pagechat if args.pagechat is not None else [""]
     started = datetime.datetime.now(datetime.UTC)
     loadavg_start = os.getloadavg()
+    if loadavg_start[0] > BUSY_LOAD:
+        print(
+            f"WARNING: load average {loadavg_start[0]:.1f} before the run: other processes share "
+            "the cores; llama-server's threads wait for each other at every op and suffer most "
+            "(docs/perf.md), so read its figures with the load column",
+            file=sys.stderr,
+        )
     result = run(args, model, configs)
     loadavg_end = os.getloadavg()
     summaries = summarize(result.measurements)

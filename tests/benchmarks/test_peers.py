@@ -113,6 +113,7 @@ def test_summaries_pool_the_rounds_and_divide_by_llama_servers_figures() -> None
     assert pc.tokens_per_s == pytest.approx(120.0)
     assert pc.ttft_p50_s == pytest.approx(0.25)  # median of 0.1, 0.2, 0.3, 0.4
     assert pc.ttft_mean_s == pytest.approx(0.25)
+    assert pc.loadavg_mean == pytest.approx(0.5)
     assert pc.tokens_per_s_ratio == pytest.approx(120.0 / 60.0)
     assert pc.ttft_p50_ratio == pytest.approx(0.25 / 0.7)
     assert by[(2, LLAMA)].tokens_per_s_ratio == pytest.approx(1.0)
@@ -130,8 +131,10 @@ def test_the_tables_put_each_concurrency_and_each_servers_memory_side_by_side() 
     peaks = {"pagechat": Peak(2100.0, 12.0, {"redis-server"}), LLAMA: Peak(1100.0)}
     table = markdown(summarize(ms), peaks)
     assert "8 concurrent streams:" in table
-    assert "| pagechat | 182.0 | 182.0 | 0.500 s | 0.500 s | 100 | 0.98x | 0.50x |" in table
-    assert "| llama-server | 186.0 | 186.0 | 1.000 s | 1.000 s | 100 | 1.00x | 1.00x |" in table
+    assert "| pagechat | 182.0 | 182.0 | 0.500 s | 0.500 s | 100 | 0.5 | 0.98x | 0.50x |" in table
+    assert (
+        "| llama-server | 186.0 | 186.0 | 1.000 s | 1.000 s | 100 | 0.5 | 1.00x | 1.00x |" in table
+    )
     assert "| pagechat | 2100 MB | 12 MB (redis-server) |" in table
     assert "| llama-server | 1100 MB | none |" in table
 
