@@ -4,7 +4,8 @@
   port, ready once its /health answers 200 (it answers 503 while loading the model).
 - `pagechat serve` is `benchmarks.serve.Server` (embedded Redis in a directory of its own).
 - `RssPeaks`: the peak resident memory of each server's own process and, apart, of its child
-  processes (pagechat's embedded redis-server), sampled with psutil on a thread.
+  processes (pagechat's embedded redis-server), sampled with psutil on a thread; beside it the
+  kernel's own high-water mark of the server's RSS (VmHWM: start-up included, unsampled).
 """
 
 from __future__ import annotations
@@ -96,15 +97,28 @@ class LlamaServer:
 class Peak:
     """Peak RSS seen of one server: its own process, and its children's summed apart."""
 
-    rss_mb: float = 0.0
+    rss_mb: float = 0.0  # sampled while watched
+    hwm_mb: float = 0.0  # the kernel's peak over the process's life (Linux; 0 elsewhere)
     children_rss_mb: float = 0.0
     children: set[str] = field(default_factory=set)  # the children's process names
     samples: int = 0
 
 
+def high_water_mark_mb(pid: int) -> float:
+    """VmHWM of /proc/<pid>/status: the most RSS the process ever had; 0 where unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 class RssPeaks:
     """Samples the RSS of each watched process and of its children every `interval_s` on a
-    thread, keeping the peaks: a server's memory during the whole run, start-up included."""
+    thread, keeping the peaks: a server's memory from when it is watched (once it listens) to
+    its stop."""
 
     def __init__(self, interval_s: float = 0.2) -> None:
         self.interval_s = interval_s
@@ -134,6 +148,7 @@ class RssPeaks:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                     peak = self.peaks[label]
                     peak.rss_mb = max(peak.rss_mb, process.memory_info().rss / 2**20)
+                    peak.hwm_mb = max(peak.hwm_mb, high_water_mark_mb(process.pid))
                     children = 0.0
                     for child in process.children(recursive=True):
                         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):

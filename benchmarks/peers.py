@@ -14,8 +14,9 @@ Servers, all started at once and kept running (each idle while another is measur
   free loopback port with an embedded Redis in a temporary directory;
 - llama-server (scripts/build-llama-server.sh; `make llama-server`) on the bundled GGUF,
   `-np 32 -t 2 --no-repack -c <slots x 512>`.
-Memory: each server's peak RSS over the whole run (start-up included), psutil every 0.2 s; the
-children (pagechat's embedded redis-server) are summed apart, not in the server's figure.
+Memory: each server's peak RSS from when it listens to its stop, psutil every 0.2 s, and the
+kernel's high-water mark of it (VmHWM, start-up included); the children (pagechat's embedded
+redis-server) are summed apart, not in the server's figures.
 
 Without a llama-server binary it prints why and exits 0, having run nothing (`SKIPPED`).
 
@@ -224,8 +225,8 @@ def markdown(summaries: Sequence[Summary], peaks: dict[str, Peak]) -> str:
             )
         lines.append("")
     lines += [
-        "| server | peak RSS | its children's peak RSS (apart) |",
-        "|---|---:|---:|",
+        "| server | peak RSS (sampled) | high-water mark (VmHWM) | its children's peak RSS |",
+        "|---|---:|---:|---:|",
     ]
     for label, p in peaks.items():
         kids = (
@@ -233,7 +234,7 @@ def markdown(summaries: Sequence[Summary], peaks: dict[str, Peak]) -> str:
             if p.children
             else "none"
         )
-        lines.append(f"| {label} | {p.rss_mb:.0f} MB | {kids} |")
+        lines.append(f"| {label} | {p.rss_mb:.0f} MB | {p.hwm_mb:.0f} MB | {kids} |")
     return "\n".join(lines)
 
 

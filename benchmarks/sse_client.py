@@ -9,6 +9,7 @@ servers use; `SSEParser` cuts the body into server-sent events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -120,6 +121,8 @@ async def stream_chat(
         return result
     finally:
         writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
 async def _read_events(
