@@ -51,7 +51,7 @@ bench-peers: setup
 	$(PY) -m benchmarks.peers --json results/peers.json --markdown results/peers.md $(ARGS)
 
 # Perplexity per weight format (fp32 bf16 int8 int4) over benchmarks/data/alice-ch1-2.txt,
-# against the dequantized fp32 model (~10 minutes on 2 cores). JSON to results/.
+# against the dequantized fp32 model (5-8 minutes on the shared 2 cores). JSON to results/.
 bench-perplexity: setup
 	$(PY) -m benchmarks.perplexity --json results/perplexity.json $(ARGS)
 
