@@ -39,7 +39,7 @@ bench-engine: setup
 	$(PY) -m benchmarks.engine_step
 
 # llama.cpp's llama-server, built once from the llama-cpp-python sdist's vendored sources into
-# build/llama.cpp/ (git-ignored; ~4 minutes with -j2). bench-peers needs it.
+# build/llama.cpp/ (git-ignored; once: 10-20 minutes with -j2). bench-peers needs it.
 llama-server:
 	@scripts/build-llama-server.sh
 

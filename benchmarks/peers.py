@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.llama_server.is_file():
         print(
             f"SKIPPED: no llama-server at {args.llama_server}; build it with "
-            "`make llama-server` (scripts/build-llama-server.sh, ~4 minutes on 2 cores)",
+            "`make llama-server` (scripts/build-llama-server.sh, once: 10-20 minutes)",
             file=sys.stderr,
         )
         return 0

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server (CPU only) into build/llama.cpp/ (git-ignored), for
 # benchmarks/peers.py. The sources are the llama.cpp vendored in the llama-cpp-python sdist on
-# the package index: a pinned release, fetched with pip, so no git remote is needed. About 4
-# minutes on 2 cores the first time; a later run finds the binary and does nothing (delete
-# build/llama.cpp to rebuild). Prints the binary's path on success.
+# the package index: a pinned release, fetched with pip, so no git remote is needed. The first
+# run takes ~4 minutes to fetch the sdist and ~10 CPU-minutes to compile (-j2: 5 minutes on two
+# quiet cores, 18 on a busy shared machine); a later run finds the binary and does nothing
+# (delete build/llama.cpp to rebuild). Prints the binary's path on success.
 #
 # Serve with --no-repack on the project's EPYC machines: the repacked (AMX/AVX512) Q4 path
 # crashed llama-server on one of them. benchmarks/peers.py passes it.
