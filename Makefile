@@ -2,7 +2,8 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench soak
+.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench soak \
+	llama-server bench-peers bench-perplexity
 
 setup:
 	@scripts/setup-env.sh
@@ -36,6 +37,23 @@ test: lint typecheck unit
 
 bench-engine: setup
 	$(PY) -m benchmarks.engine_step
+
+# llama.cpp's llama-server, built once from the llama-cpp-python sdist's vendored sources into
+# build/llama.cpp/ (git-ignored; once: 10-20 minutes with -j2). bench-peers needs it.
+llama-server:
+	@scripts/build-llama-server.sh
+
+# pagechat serve (defaults, or each ARGS="--pagechat '...'" configuration) against llama-server
+# on the bundled GGUF: 1 / 8 / 32 streams, 128 tokens each, alternating, two rounds. Prints
+# the tables; JSON and markdown go to results/. Without llama-server it says so and exits 0.
+# make bench-peers ARGS="--pagechat '' --pagechat '--weights int4'"
+bench-peers: setup
+	$(PY) -m benchmarks.peers --json results/peers.json --markdown results/peers.md $(ARGS)
+
+# Perplexity per weight format (fp32 bf16 int8 int4) over benchmarks/data/alice-ch1-2.txt,
+# against the dequantized fp32 model (5-8 minutes on the shared 2 cores). JSON to results/.
+bench-perplexity: setup
+	$(PY) -m benchmarks.perplexity --json results/perplexity.json $(ARGS)
 
 # Locust, headless, against a server that is already running (make run): starts none itself.
 # make loadtest URL=ws://127.0.0.1:8080 USERS=64 SPAWN_RATE=8 RUN_TIME=3m [ARGS="--tags oneshot"]

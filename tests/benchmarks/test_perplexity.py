@@ -1,0 +1,118 @@
+"""Tests for `benchmarks/perplexity.py`: the windows score every token once, the windowed fp32
+figure equals a direct computation through another attention path, and a short slice of the
+text on the bundled model gives sane numbers for every format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.perplexity import (
+    TEXT,
+    Window,
+    evaluate,
+    load_format,
+    main,
+    text_tokens,
+    window_logits,
+    windows,
+)
+from tests.tiny_model import ContiguousAttention, make_tiny_llama
+
+# The text as shipped (benchmarks/data/README.md): figures are comparable only over the same one.
+TEXT_SHA256 = "1c7f5bf63287214b28fd34b09f5b081de76910fbc73784f2689087f91cefa389"
+
+
+@pytest.mark.parametrize(("n", "window", "stride"), [(10, 4, 2), (11, 4, 3), (9, 4, 1), (5, 8, 4)])
+def test_every_token_but_the_first_is_scored_exactly_once(n: int, window: int, stride: int) -> None:
+    spans = windows(n, window, stride)
+    scored = [t for w in spans for t in range(w.score_from, w.end)]
+    assert scored == list(range(1, n))
+    for w in spans:
+        assert w.end - w.start <= window
+        assert w.start < w.score_from <= w.end
+    for w in spans[1:]:  # later windows give every scored token the overlap as context
+        assert w.score_from - w.start >= window - stride
+
+
+def test_a_window_as_long_as_the_text_is_one_window() -> None:
+    assert windows(6, 6, 3) == [Window(0, 6, 1)]
+
+
+@pytest.mark.parametrize(("window", "stride"), [(1, 1), (4, 0), (4, 4), (4, 5)])
+def test_impossible_windows_are_refused(window: int, stride: int) -> None:
+    with pytest.raises(ValueError):
+        windows(10, window, stride)
+
+
+def test_the_shipped_text_is_the_one_documented() -> None:
+    assert hashlib.sha256(TEXT.read_bytes()).hexdigest() == TEXT_SHA256
+    readme = (TEXT.parent / "README.md").read_text()
+    assert TEXT.name in readme and "public domain" in readme.lower()
+
+
+def direct_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
+    """The definition, another way: the model fed in two pieces through a growing contiguous
+    cache (as an engine prefills, then continues), every token but the first scored."""
+    loaded = load_format(str(model_dir), "fp32", window=1)
+    model = loaded.model
+    attention = ContiguousAttention(model.args.num_layers)
+    half = ids.shape[0] // 2
+    with torch.inference_mode():
+        first = model(ids[:half], torch.arange(half), attention)
+        second = model(ids[half:], torch.arange(half, ids.shape[0]), attention)
+        logits = model.compute_logits(torch.cat([first, second]))
+    return math.exp(float(F.cross_entropy(logits[:-1].double(), ids[1:])))
+
+
+def test_windowed_fp32_perplexity_equals_the_direct_computation(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    fp32 = load_format(str(model_dir), "fp32", window=64)
+    ids = text_tokens(fp32, TEXT, 60)
+    (result,) = evaluate({"fp32": fp32}, ids, window=64, stride=32)
+    assert result.tokens == 59
+    assert result.perplexity == pytest.approx(direct_perplexity(model_dir, ids), rel=1e-5)
+    # With a shorter window the later tokens lose context, so the figure moves (but stays sane).
+    (windowed,) = evaluate({"fp32": fp32}, ids, window=16, stride=8)
+    assert windowed.tokens == 59
+    assert windowed.perplexity != pytest.approx(result.perplexity, rel=1e-6)
+
+
+def test_the_logits_of_a_window_are_the_models_own(tmp_path: Path) -> None:
+    loaded = load_format(str(make_tiny_llama(tmp_path / "tiny")), "fp32", window=64)
+    ids = text_tokens(loaded, TEXT, 12)
+    logits = window_logits(loaded, ids)
+    assert logits.shape == (12, loaded.args.vocab_size) and logits.dtype == torch.float32
+    # Causal: the first 6 rows do not depend on the tokens after them.
+    assert torch.allclose(window_logits(loaded, ids[:6]), logits[:6], atol=1e-5)
+
+
+@pytest.mark.real_model
+def test_a_short_slice_on_the_bundled_model_gives_sane_figures_per_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "perplexity.json"
+    argv = ["--max-tokens", "160", "--window", "96", "--stride", "48", "--json", str(out)]
+    assert main([*argv, "--weights", "int4", "bf16", "fp32", "int8"]) == 0
+    record = json.loads(out.read_text())
+    assert record["tokens"] == 160 and record["text_sha256"] == TEXT_SHA256
+    results = {r["weights"]: r for r in record["results"]}
+    assert list(results) == ["fp32", "int4", "bf16", "int8"]  # the reference first
+    fp32 = results["fp32"]
+    assert fp32["vs_reference"] == 0.0 and fp32["max_rel_logit_dev"] == 0.0
+    assert fp32["top1_agreement"] == 1.0
+    for r in results.values():
+        assert r["tokens"] == 159
+        # An English text under a 135M chat model: far better than chance over ~49k tokens.
+        assert 2.0 < r["perplexity"] < 200.0
+        assert abs(r["vs_reference"]) < 0.1  # every format is that model, rounded
+        assert 0.0 <= r["max_rel_logit_dev"] < 0.2
+        assert r["top1_agreement"] > 0.8
+    assert results["int4"]["description"].startswith("int4")
+    assert "| int4 |" in capsys.readouterr().out
