@@ -2,14 +2,15 @@
 # (embedded Redis under /data), or with PAGECHAT_REDIS_URL set (docker-compose.yml).
 # The default target is the runtime image: requirements.lock only, no test or load-test tool.
 # `--target loadtest` adds Locust and loadtest/ on top (docker-compose.yml's Locust services).
-# The native dequantizer (service/engine/dequant.c), built where a compiler is, for any
-# x86-64-v3 CPU (AVX2 and FMA): the runtime image has no compiler to build it at start-up.
+# The native CPU kernels (kernels/native.c: the packed weights' dense path, the LM head's
+# GEMV, paged decode attention), built where a compiler is, for any x86-64-v3 CPU (AVX2 and
+# FMA): the runtime image has no compiler to build them at start-up.
 FROM python:3.11-slim-bookworm AS native
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-COPY service/engine/dequant.c /src/
-RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -o /src/libpagechat_dequant.so \
-    /src/dequant.c
+COPY kernels/native.c /src/
+RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -o /src/libpagechat_native.so \
+    /src/native.c
 
 FROM python:3.11-slim-bookworm AS base
 
@@ -17,8 +18,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OMP_NUM_THREADS=1 \
-    PAGECHAT_NATIVE_LIB=/opt/pagechat/libpagechat_dequant.so
-COPY --from=native /src/libpagechat_dequant.so /opt/pagechat/
+    PAGECHAT_NATIVE_LIB=/opt/pagechat/libpagechat_native.so
+COPY --from=native /src/libpagechat_native.so /opt/pagechat/
 
 WORKDIR /app
 

@@ -7,6 +7,7 @@ batched into a single padded SDPA call; prefill chunks, few per step, run one SD
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ class DecodeGroup:
     offsets: torch.Tensor  # [Bd, C] int64: offset inside that block
     slots: torch.Tensor  # [Bd * C] int64: blocks * block_size + offsets, flattened
     mask: torch.Tensor  # [Bd, 1, 1, C] bool: True where the context position exists
+    seq_lens: torch.Tensor  # [Bd] int64: each row's context length (its valid slots)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
             offsets=offsets,
             slots=(blocks * bs + offsets).flatten(),
             mask=valid[:, None, None, :],
+            seq_lens=seq_lens,
         )
     prefills: list[PrefillChunk] = []
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
@@ -91,21 +94,30 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
     return TorchAttentionPlan(num_tokens=meta.num_tokens, decode=decode, prefills=prefills)
 
 
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, DecodeGroup, float], torch.Tensor
+]
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     key_cache: torch.Tensor,  # [N, bs, Hkv, D]
     value_cache: torch.Tensor,  # [N, bs, Hkv, D]
     plan: TorchAttentionPlan,
     scale: float,
+    decode: DecodeAttention | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Attention of each sequence's new tokens over its paged context (written beforehand)."""
+    """Attention of each sequence's new tokens over its paged context (written beforehand).
+    `decode` computes the decode rows (default: one padded SDPA over gathered K/V; the CPU
+    backend passes a kernel that reads the cache in place)."""
+    decode = decode or decode_sdpa
     if plan.decode is not None and not plan.prefills:
         # Every row decodes, in order: no rows to pick out or put back.
-        return _decode(query, key_cache, value_cache, plan.decode, scale)
+        return decode(query, key_cache, value_cache, plan.decode, scale)
     out = torch.empty_like(query)
     if plan.decode is not None:
         g = plan.decode
-        out[g.rows] = _decode(query[g.rows], key_cache, value_cache, g, scale)
+        out[g.rows] = decode(query[g.rows], key_cache, value_cache, g, scale)
     gqa = query.shape[1] != key_cache.shape[2]
     for p in plan.prefills:
         rows = slice(p.query_start, p.query_start + p.query_len)
@@ -119,7 +131,7 @@ def paged_attention(
     return out
 
 
-def _decode(
+def decode_sdpa(
     query: torch.Tensor,  # [Bd, Hq, D]: one row per decoding sequence
     key_cache: torch.Tensor,  # [N, bs, Hkv, D]
     value_cache: torch.Tensor,  # [N, bs, Hkv, D]

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from service.engine import native
+from kernels import native
 
 GROUP_SIZE = 32  # int4 group along k; GGUF's Q4_0/Q4_1/Q8_0 block size too
 KERNEL_DTYPE = torch.bfloat16  # the dtype the packed kernels are vectorized for

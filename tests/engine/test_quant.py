@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.engine import native
+from kernels import native
 from service.engine.loader import default_model_path, open_gguf
 from service.engine.quant import (
     GROUP_SIZE,

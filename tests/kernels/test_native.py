@@ -1,4 +1,5 @@
-"""The native dequantizers: torch's CPU int4 layout read back exactly, and their build."""
+"""The native CPU kernels: torch's int4 layout read back exactly, the fp32 int8 GEMV, paged
+decode attention in place, and the library's build."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine import native
+from kernels import native, reference
+from kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 REPO = Path(__file__).resolve().parents[2]
@@ -80,14 +82,14 @@ def test_shapes_that_do_not_fit_are_refused_before_any_memory_is_touched() -> No
 
 
 def test_the_library_is_built_once_per_cpu_into_the_cache(tmp_path: Path) -> None:
-    code = "from service.engine import native; lib = native.library(); print(lib is not None)"
+    code = "from kernels import native; lib = native.library(); print(lib is not None)"
     env = {**os.environ, "PAGECHAT_CACHE_DIR": str(tmp_path)}
     for _ in range(2):
         out = subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
         )
         assert out.stdout.strip() == "True", out.stderr
-    built = list(tmp_path.glob("libpagechat_dequant-*.so"))
+    built = list(tmp_path.glob("libpagechat_native-*.so"))
     assert len(built) == 1  # the second start found the first one's library
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -97,7 +99,7 @@ def test_without_a_compiler_there_is_no_library_and_packed_layers_keep_their_ker
 ) -> None:
     code = (
         "import torch\n"
-        "from service.engine import native, quant\n"
+        "from kernels import native\nfrom service.engine import quant\n"
         "print(native.library())\n"
         "w = quant.quantize_int4(torch.randn(64, 64))\n"
         "layer = quant.QuantLinear(w, torch.device('cpu'), scratch=quant.DequantScratch())\n"
@@ -110,7 +112,7 @@ def test_without_a_compiler_there_is_no_library_and_packed_layers_keep_their_ker
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["None", "None True", "(300, 64)"]
-    assert "could not build dequant.c" in out.stderr
+    assert "could not build native.c" in out.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -136,9 +138,9 @@ def test_the_int8_matrix_vector_product_stays_in_fp32(rows: int) -> None:
 )
 def test_a_library_built_beforehand_is_loaded_without_a_compiler(tmp_path: Path) -> None:
     """What the Dockerfile does: build for x86-64-v3 in a stage with gcc, run without one."""
-    target = tmp_path / "libpagechat_dequant.so"
+    target = tmp_path / "libpagechat_native.so"
     subprocess.run(native.build_command("cc", str(target), march="x86-64-v3"), check=True)
-    code = "from service.engine import native; print(native.library() is not None)"
+    code = "from kernels import native; print(native.library() is not None)"
     env = {
         **os.environ,
         "PAGECHAT_NATIVE_LIB": str(target),
@@ -152,8 +154,50 @@ def test_a_library_built_beforehand_is_loaded_without_a_compiler(tmp_path: Path)
 
 def test_the_dockerfile_builds_the_library_as_native_py_would() -> None:
     text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
-    line = next(part for part in text.splitlines() if "dequant.c" in part and "gcc" in part)
+    line = next(part for part in text.splitlines() if "native.c" in part and "gcc" in part)
     command = line.split("RUN", 1)[1].split()
-    want = native.build_command("gcc", "/src/libpagechat_dequant.so", march="x86-64-v3")
+    want = native.build_command("gcc", "/src/libpagechat_native.so", march="x86-64-v3")
     assert command[:-1] == want[:-1]  # the same flags; the source path is the image's
-    assert command[-1].endswith("dequant.c")
+    assert command[-1].endswith("native.c")
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads"), [([300], (9, 3)), ([37, 1, 129, 16, 5], (4, 2)), ([64] * 6, (8, 8))]
+)
+def test_paged_decode_reads_the_cache_in_place_as_the_padded_sdpa_does(
+    lens: list[int], heads: tuple[int, int]
+) -> None:
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(len(lens))
+    num_blocks, bs, d = 64, 16, 64
+    # NaN in every slot no sequence owns: a read of a wrong slot poisons the output.
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lens:
+        blocks = order[used : used + -(-n // bs)]
+        used += len(blocks)
+        tables.append(blocks)
+        for p in range(n):
+            k_cache[blocks[p // bs], p % bs] = torch.randn(hkv, d, generator=gen)
+            v_cache[blocks[p // bs], p % bs] = torch.randn(hkv, d, generator=gen)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        block_size=bs,
+        query_lens_host=[1] * len(lens),
+        seq_lens_host=lens,
+    )
+    plan = reference.plan_attention(meta)
+    assert plan.decode is not None
+    query = torch.randn(len(lens), hq, d, generator=gen)
+    want = reference.decode_sdpa(query, k_cache, v_cache, plan.decode, 0.125)
+    slots = plan.decode.slots.view(len(lens), -1)
+    got = native.paged_decode(query, k_cache, v_cache, slots, plan.decode.seq_lens, 0.125)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fp32"):
+        native.paged_decode(query.double(), k_cache, v_cache, slots, plan.decode.seq_lens, 0.1)

@@ -1,9 +1,12 @@
-"""dequant.c, compiled once per machine and called through ctypes.
+"""native.c, compiled once per machine and called through ctypes: the CPU kernels torch has
+no op for.
 
-The packed kernels' dense path (`quant.QuantLinear` above its crossover) dequantizes a
-layer's weight into a scratch buffer with these functions, then runs a dense bf16 GEMM.
-There is no torch op for it, and eager torch takes ~17 ms per decoder layer for what the C
-loop does in ~1 ms (docs/perf.md).
+- The packed weights' dense path (`quant.QuantLinear` above its crossover) dequantizes a
+  layer's weight into a scratch buffer, then runs a dense GEMM: eager torch takes ~17 ms per
+  decoder layer for what the C loop does in ~1 ms (docs/perf.md).
+- `int8_gemv`: the int8 LM head at decode with fp32 logits.
+- `paged_decode`: decode attention read in place through the paged cache (the CPU
+  attention backend's decode path, kernels/backend.py).
 
 NOTE: built with -march=native, so the library is cached under a key of the source, the
 compiler command and this CPU's feature flags: a cache directory shared between machines
@@ -32,7 +35,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("dequant.c")
+SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -55,7 +58,7 @@ def _cpu_flags() -> str:
 
 
 def build_command(compiler: str, target: str, march: str = "native") -> list[str]:
-    """How dequant.c is compiled: here for this CPU, or by the Dockerfile for a baseline."""
+    """How native.c is compiled: here for this CPU, or by the Dockerfile for a baseline."""
     flags = [f if f != "-march=native" else f"-march={march}" for f in _FLAGS]
     return [compiler, *flags, "-o", target, str(SOURCE)]
 
@@ -65,7 +68,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         b"\0".join([source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
-    target = cache_dir() / f"libpagechat_dequant-{platform.machine()}-{key}.so"
+    target = cache_dir() / f"libpagechat_native-{platform.machine()}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +111,14 @@ def library() -> ctypes.CDLL | None:
     lib.pagechat_int8_gemv.restype = None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.pagechat_int8_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
+    lib.pagechat_paged_decode.restype = ctypes.c_int
+    lib.pagechat_paged_decode.argtypes = (
+        *[pointer] * 6,
+        *[size] * 4,
+        ctypes.c_float,
+        size,
+        size,
+    )
     if not _probe(lib):
         log.warning("%s disagrees with torch's int4 packing: not used", SOURCE.name)
         return None
@@ -244,3 +255,53 @@ def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
 
     _in_parallel((0, n), 16, run)
     return y
+
+
+def paged_decode(
+    query: Tensor,  # [B, Hq, D] fp32
+    key_cache: Tensor,  # [N, bs, Hkv, D] fp32, contiguous
+    value_cache: Tensor,  # [N, bs, Hkv, D] fp32, contiguous
+    slots: Tensor,  # [B, C] int64: row b's first seq_lens[b] entries are its context slots
+    seq_lens: Tensor,  # [B] int64, each in 1..C
+    scale: float,
+) -> Tensor:  # [B, Hq, D] fp32
+    """Each sequence's one new query over its whole context, read in place through its cache
+    slots (no gathered K/V copy, no padding computed). The caller guarantees the slots were
+    written (the plan's); their values are not checked here, only shapes, dtypes, layout."""
+    lib = _library_or_raise()
+    b, hq, d = query.shape
+    hkv = key_cache.shape[2]
+    if query.dtype != torch.float32 or key_cache.dtype != torch.float32:
+        raise ValueError(f"paged_decode runs in fp32, got {query.dtype} and {key_cache.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.shape[3] != d or hq % hkv:
+        raise ValueError(f"query {tuple(query.shape)} against caches {tuple(key_cache.shape)}")
+    if slots.dtype != torch.int64 or slots.dim() != 2 or slots.shape[0] != b:
+        raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} for {b} sequences")
+    if seq_lens.dtype != torch.int64 or seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    _check(out, (b, hq, d), (torch.float32,), query, key_cache, value_cache, slots, seq_lens)
+    context = slots.shape[1]
+
+    def run(begin: int, end: int) -> None:
+        failed = lib.pagechat_paged_decode(
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            hq,
+            hkv,
+            d,
+            context,
+            scale,
+            begin,
+            end,
+        )
+        if failed:
+            raise MemoryError("paged_decode could not allocate its scores")
+
+    _in_parallel((0, b), 1, run)
+    return out
