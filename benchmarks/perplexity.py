@@ -14,8 +14,9 @@ fp32: the reference), the largest logit deviation from fp32 relative to the larg
 the same token (max over the text), and how often the top token agrees with fp32's.
 
 The packed formats (int8, int4) run their packed kernels at every row count here
-(`max_packed_tokens` = the window): the engine takes them for decode steps, while its prefill
-chunks run the dense copies above the crossover, which would just be the fp32 path again.
+(`max_packed_tokens` = the window): what the engine's decode steps take. `int4-dense` (and
+`int8-dense`) is the same weights through the other path the engine takes for prefill chunks
+and large batches above the crossover: each weight dequantized to bf16, then a dense GEMM.
 
     .venv/bin/python -m benchmarks.perplexity [--weights fp32 bf16 int8 int4]
         [--window 512] [--stride 256] [--max-tokens N] [--threads 1]
@@ -169,15 +170,21 @@ def evaluate(
     ]
 
 
+DENSE_PATH = "-dense"  # a packed format through its dequantized path at every row count
+
+
 def load_format(model: str | None, weights: str, window: int) -> LoadedModel:
     """The model with `weights` matmul weights under fp32 activations; packed formats take
-    their packed kernel for up to `window` rows, so for every window here."""
-    config = EngineConfig(model=model, dtype="float32", weights=weights)
+    their packed kernel for up to `window` rows, so for every window here, or with a
+    `-dense` suffix their dequantized bf16 path for every row."""
+    dense_path = weights.endswith(DENSE_PATH)
+    config = EngineConfig(model=model, dtype="float32", weights=weights.removesuffix(DENSE_PATH))
     return load_model(
         config.model,
         torch.float32,
         weight_dtype=config.torch_weight_dtype(),
-        max_packed_tokens=window,
+        max_packed_tokens=0 if dense_path else window,
+        dense_dtype=torch.bfloat16,
     )
 
 
@@ -215,7 +222,9 @@ def verdict(results: list[FormatResult]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the bundled Q4_1 GGUF")
-    parser.add_argument("--weights", nargs="+", default=["fp32", "bf16", "int8", "int4"])
+    parser.add_argument(
+        "--weights", nargs="+", default=["fp32", "bf16", "int8", "int4", "int4-dense"]
+    )
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=None, help="only the text's first N")
