@@ -271,3 +271,81 @@ int pagechat_paged_decode(const float *q, const float *k_cache, const float *v_c
     free(scores);
     return 0;
 }
+
+/* y[r, n] = sum_c x[r, c] * w[n, c] for r < m and the weight rows [n_begin, n_end) (tiles of
+   64), w an int4 weight in torch's CPU layout (see pagechat_dequant_int4): fp32 input,
+   accumulation and output, reading the packed nibbles once for up to 4 input rows at a time.
+   torch's `_weight_int4pack_mm_for_cpu` runs in bf16 and, at one row, read the default
+   model's layers at ~4 GB/s here. Per group g of 32 columns, w = s (q - 8) + z, so
+   sum_c x_c w_c = s (sum_c x_c q_c - 8 X) + z X with X = sum_c x_c: the loop accumulates
+   x q over the group and applies the pair once. AVX512 only: returns 1 (nothing done)
+   where it was compiled without, and the caller keeps torch's kernel. y is [m, n]. */
+#define INT4_GEMV_ROWS 4
+
+int pagechat_int4_gemv(const float *x, int64_t m, const uint8_t *packed,
+                       const uint16_t *scales_zeros, float *y, int64_t n, int64_t k,
+                       int64_t n_begin, int64_t n_end) {
+#if defined(__AVX512F__)
+    if (n % 64 || k % 32) return 1;
+    const __m512i low_nibbles = _mm512_set1_epi32(15);
+    for (int64_t base = n_begin; base < n_end; base += 64) {
+        const uint8_t *tile = packed + base * k / 2;
+        for (int64_t r0 = 0; r0 < m; r0 += INT4_GEMV_ROWS) {
+            const int64_t rows = m - r0 < INT4_GEMV_ROWS ? m - r0 : INT4_GEMV_ROWS;
+            __m512 out[INT4_GEMV_ROWS][4];
+            for (int64_t r = 0; r < INT4_GEMV_ROWS; r++)
+                for (int v = 0; v < 4; v++) out[r][v] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < k / 32; g++) {
+                __m512 acc[INT4_GEMV_ROWS][4];
+                float xsum[INT4_GEMV_ROWS] = {0};
+                for (int64_t r = 0; r < INT4_GEMV_ROWS; r++)
+                    for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+                for (int64_t c = g * 32; c < g * 32 + 32; c++) {
+                    const uint8_t *bytes = tile + c * 32;
+                    /* rows base + [0, 16), [16, 32) from the low nibbles of bytes 0-15 and
+                       16-31; rows base + [32, 48), [48, 64) from their high nibbles */
+                    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+                    const __m512i b1 =
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16)));
+                    const __m512 w[4] = {
+                        _mm512_cvtepi32_ps(_mm512_and_si512(b0, low_nibbles)),
+                        _mm512_cvtepi32_ps(_mm512_and_si512(b1, low_nibbles)),
+                        _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)),
+                        _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)),
+                    };
+                    for (int64_t r = 0; r < rows; r++) {
+                        const float xc = x[(r0 + r) * k + c];
+                        const __m512 xv = _mm512_set1_ps(xc);
+                        xsum[r] += xc;
+                        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(xv, w[v], acc[r][v]);
+                    }
+                }
+                /* (scale, zero) bf16 pairs of the tile's 64 rows: each 32-bit lane holds one
+                   row's pair, scale in the low half; as floats, scale = lane << 16 and
+                   zero = the lane's high half. */
+                const uint16_t *pairs = scales_zeros + (g * n + base) * 2;
+                for (int v = 0; v < 4; v++) {
+                    const __m512i lane = _mm512_loadu_si512((const void *)(pairs + 32 * v));
+                    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(lane, 16));
+                    const __m512 zero = _mm512_castsi512_ps(
+                        _mm512_and_si512(lane, _mm512_set1_epi32((int)0xFFFF0000u)));
+                    for (int64_t r = 0; r < rows; r++) {
+                        const __m512 xs = _mm512_set1_ps(xsum[r]);
+                        const __m512 centred = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), xs, acc[r][v]);
+                        out[r][v] = _mm512_fmadd_ps(scale, centred, out[r][v]);
+                        out[r][v] = _mm512_fmadd_ps(zero, xs, out[r][v]);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int v = 0; v < 4; v++)
+                    _mm512_storeu_ps(y + (r0 + r) * n + base + 16 * v, out[r][v]);
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)m, (void)packed, (void)scales_zeros, (void)y, (void)n, (void)k;
+    (void)n_begin, (void)n_end;
+    return 1;
+#endif
+}

@@ -111,6 +111,8 @@ def library() -> ctypes.CDLL | None:
     lib.pagechat_int8_gemv.restype = None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.pagechat_int8_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
+    lib.pagechat_int4_gemv.restype = ctypes.c_int
+    lib.pagechat_int4_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
     lib.pagechat_paged_decode.restype = ctypes.c_int
     lib.pagechat_paged_decode.argtypes = (
         *[pointer] * 6,
@@ -255,6 +257,39 @@ def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
 
     _in_parallel((0, n), 16, run)
     return y
+
+
+def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
+    """x [M, K] fp32 times an int4 weight in torch's CPU layout (packed [N, K/2] uint8, pairs
+    [K/32, N, 2] bf16): [M, N] fp32, accumulated in fp32. None where the library was built
+    without AVX512 or N is not whole tiles of 64: then torch's kernel is the one to run."""
+    lib = _library_or_raise()
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if (
+        packed.dtype != torch.uint8
+        or pairs.shape != (k // 32, n, 2)
+        or pairs.dtype != torch.bfloat16
+    ):
+        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype}, pairs {pairs.shape}")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight")
+    if n % 64 or k % 32:
+        return None
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _check(y, (m, n), (torch.float32,), x, packed, pairs)
+    declined = []
+
+    def run(begin: int, end: int) -> None:
+        declined.append(
+            lib.pagechat_int4_gemv(
+                x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k, begin, end
+            )
+        )
+
+    _in_parallel((0, n), 64, run)
+    return None if any(declined) else y
 
 
 def paged_decode(

@@ -201,3 +201,19 @@ def test_paged_decode_reads_the_cache_in_place_as_the_padded_sdpa_does(
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="fp32"):
         native.paged_decode(query.double(), k_cache, v_cache, slots, plan.decode.seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_the_int4_matrix_vector_product_reads_torchs_layout_in_fp32(rows: int) -> None:
+    packed, pairs, want_bf16 = _int4(192, 96, seed=rows)
+    w = native.dequantize_int4(packed, pairs, torch.empty(96, 192, dtype=torch.float32), (0, 192))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    y = native.int4_gemv(x, packed, pairs)
+    if y is None:
+        pytest.skip("the library was built without AVX512: torch's kernel runs instead")
+    want = x.double() @ w.double().T
+    bound = 96 * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert y.shape == (rows, 192) and bool(((y.double() - want).abs() <= bound).all())
+    assert torch.equal(w.to(torch.bfloat16), want_bf16)  # the fp32 dequantization agrees
+    tail, tail_pairs, _ = _int4(80, 64, seed=9)  # a narrow tile: left to torch's kernel
+    assert native.int4_gemv(torch.randn(1, 64), tail, tail_pairs) is None
