@@ -26,8 +26,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -141,25 +139,9 @@ def _probe(lib: ctypes.CDLL) -> bool:
     return torch.equal(got.t(), want.view(n, k).to(torch.bfloat16))
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="pagechat-native")
-
-
-def _in_parallel(rows: tuple[int, int], align: int, run: Callable[[int, int], None]) -> None:
-    """run(begin, end) over parts of the weight rows [rows), one part per torch thread, cut
-    at multiples of `align`, all at once: ctypes releases the GIL during a call. Small
-    weights are not worth a thread hop."""
-    begin, end = rows
-    threads = torch.get_num_threads()
-    if threads <= 1 or end - begin < 2 * align:
-        run(begin, end)
-        return
-    step = -(-(end - begin) // threads // align) * align
-    parts = [(a, min(a + step, end)) for a in range(begin, end, step)]
-    for f in [_pool(threads).submit(run, a, b) for a, b in parts]:
-        f.result()
-
+# NOTE: every kernel runs on the calling thread, never split across threads of ours: with
+# two torch threads, torch's OpenMP worker spins for a while after each op, and a thread of
+# ours for the other half fought it for the second core (a batch-1 step: 35 ms, not 15).
 
 DENSE_DTYPES = (torch.bfloat16, torch.float32)  # what the dequantizers write
 
@@ -214,7 +196,7 @@ def dequantize_int4(packed: Tensor, pairs: Tensor, out: Tensor, rows: tuple[int,
             packed.data_ptr(), pairs.data_ptr(), column, n, k, begin, end, last - first, fp32
         )
 
-    _in_parallel(rows, 64, run)
+    run(*rows)
     return out.t()
 
 
@@ -232,7 +214,7 @@ def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, rows: tuple[int, int
         row = out.data_ptr() + (begin - first) * k * out.element_size()  # out[begin - first]
         lib.pagechat_dequant_int8(q.data_ptr(), scales.data_ptr(), row, n, k, begin, end, k, fp32)
 
-    _in_parallel(rows, 16, run)
+    run(*rows)
     return out
 
 
@@ -255,7 +237,7 @@ def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
             x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, begin, end
         )
 
-    _in_parallel((0, n), 16, run)
+    run(0, n)
     return y
 
 
@@ -288,7 +270,7 @@ def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
             )
         )
 
-    _in_parallel((0, n), 64, run)
+    run(0, n)
     return None if any(declined) else y
 
 
@@ -338,5 +320,5 @@ def paged_decode(
         if failed:
             raise MemoryError("paged_decode could not allocate its scores")
 
-    _in_parallel((0, b), 1, run)
+    run(0, b)
     return out
