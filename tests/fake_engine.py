@@ -46,6 +46,7 @@ class FakeRequest:
     prompt: list[int]
     params: SamplingParams
     scope: CacheScope | None
+    persist: bool = False
 
 
 class FakeEngine:
@@ -128,6 +129,7 @@ class FakeEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_scope: CacheScope | None = None,
+        persist: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         if not self._started:
             raise EngineDeadError("the fake engine is not started")
@@ -136,7 +138,7 @@ class FakeEngine:
         prompt = list(prompt_token_ids)
         if len(prompt) >= self.limits.max_model_len:
             raise RequestError(f"the prompt has {len(prompt)} tokens")
-        self.requests.append(FakeRequest(request_id, prompt, params, cache_scope))
+        self.requests.append(FakeRequest(request_id, prompt, params, cache_scope, persist))
         hashes = self._hashes(prompt, cache_scope)
         cached = 0  # as a real engine, it leaves the prompt's last token to compute
         while (
@@ -197,5 +199,6 @@ class FakeEngine:
             num_prompt_tokens=len(prompt),
             num_cached_tokens=cached_blocks * self.limits.block_size,
             num_swapped_in_tokens=0,
+            num_loaded_tokens=0,
             num_output_tokens=num_output_tokens,
         )

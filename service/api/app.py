@@ -95,7 +95,8 @@ def create_app(service: ChatService) -> Starlette:
             )
         except (EngineDeadError, TimeoutError) as exc:
             return JSONResponse({"error": f"no KV snapshot: {exc!r}"}, status_code=503)
-        return Response(_json.encode(kv_view.view(snapshot)), media_type="application/json")
+        body = _json.encode(kv_view.view(snapshot, service.engine.stats().kv_tier))
+        return Response(body, media_type="application/json")
 
     completions = ChatCompletions(service)
     guarded = Guard(service.gate, service.metrics)

@@ -12,8 +12,10 @@ import hashlib
 
 import msgspec
 
+from service.api.stats import TierStats, tier_stats
 from service.engine.blocks import SlotState, Tier
 from service.engine.engine import KVSnapshot
+from service.kvtier.tier import KVTierStats
 
 SLOT_CHARS = {
     SlotState.FREE: ".",
@@ -38,6 +40,7 @@ class KVView(msgspec.Struct, kw_only=True):
     cpu: str  # one character per CPU slot
     sequences: list[SequenceView]
     num_sequences: int  # all live sequences; `sequences` may hold only the first ones
+    kv_tier: TierStats | None = None  # the third tier's blocks and counters; null: none
 
 
 def session_tag(session_id: str) -> str:
@@ -52,7 +55,7 @@ def _label(request_id: str, sample_index: int) -> str:
     return label if sample_index == 0 else f"{label}#{sample_index}"
 
 
-def view(snapshot: KVSnapshot) -> KVView:
+def view(snapshot: KVSnapshot, tier: KVTierStats | None = None) -> KVView:
     return KVView(
         block_size=snapshot.block_size,
         device="".join(SLOT_CHARS[s] for s in snapshot.device),
@@ -68,4 +71,5 @@ def view(snapshot: KVSnapshot) -> KVView:
             for seq in snapshot.sequences
         ],
         num_sequences=snapshot.num_sequences,
+        kv_tier=tier_stats(tier) if tier is not None else None,
     )

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.engine.engine import EngineStats
+from service.kvtier.tier import KVTierStats
 
 _LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -98,6 +99,55 @@ class _EngineCollector(Collector):
             s.prompt_tokens_computed,
         )  # fmt: skip
         yield _counter("pagechat_generation_tokens", "Tokens generated.", s.tokens_generated)
+        yield _counter(
+            "pagechat_prefix_cache_tier_hits",
+            "Prompt tokens loaded from the third KV tier.",
+            b.prefix_tier_hits,
+        )
+        if s.kv_tier is not None:
+            yield from _tier_metrics(s.kv_tier)
+
+
+def _tier_metrics(t: KVTierStats) -> Iterable[Metric]:
+    stored = GaugeMetricFamily(
+        "pagechat_kv_tier_bytes", "Bytes the third KV tier holds, by backend.", labels=["backend"]
+    )
+    entries = GaugeMetricFamily(
+        "pagechat_kv_tier_blocks", "Blocks the third KV tier holds, by backend.", labels=["backend"]
+    )
+    for b in t.backends:
+        stored.add_metric([b.name], b.bytes)
+        entries.add_metric([b.name], b.entries)
+    yield stored
+    yield entries
+    yield _counter(
+        "pagechat_kv_tier_blocks_written", "Blocks written to the tier.", t.blocks_written
+    )
+    yield _counter(
+        "pagechat_kv_tier_writes_dropped",
+        "Blocks not written: the queue was full.",
+        t.writes_dropped,
+    )
+    yield _counter(
+        "pagechat_kv_tier_blocks_loaded", "Blocks loaded from the tier.", t.blocks_loaded
+    )
+    yield _counter(
+        "pagechat_kv_tier_blocks_missed", "Blocks asked for, not found.", t.blocks_missed
+    )
+    rejected = CounterMetricFamily(
+        "pagechat_kv_tier_blocks_rejected", "Blocks failing a check, by reason.", labels=["reason"]
+    )
+    for reason in ("malformed", "foreign", "truncated", "checksum"):
+        rejected.add_metric([reason], t.blocks_rejected.get(reason, 0))
+    yield rejected
+    errors = CounterMetricFamily(
+        "pagechat_kv_tier_errors", "Tier operations that failed, by kind.", labels=["op"]
+    )
+    errors.add_metric(["write"], t.write_errors)
+    errors.add_metric(["read"], t.read_errors)
+    yield errors
+    yield _gauge("pagechat_kv_tier_pending_writes", "Blocks queued for writing.", t.pending_writes)
+    yield _counter("pagechat_kv_tier_loads_timed_out", "Loads given up.", t.loads_timed_out)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

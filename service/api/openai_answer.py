@@ -79,7 +79,12 @@ class Answer:
         )
 
     def usage(self) -> dict[str, Any]:
-        cached = self.last.num_cached_tokens + self.last.num_swapped_in_tokens if self.last else 0
+        last = self.last
+        cached = (
+            last.num_cached_tokens + last.num_swapped_in_tokens + last.num_loaded_tokens
+            if last
+            else 0
+        )
         return {
             "prompt_tokens": len(self.prompt),
             "completion_tokens": self.completion_tokens,

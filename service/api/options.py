@@ -1,8 +1,10 @@
 """`pagechat serve` options and docs/config.md's tables, both made from the config fields.
 
-Every field of EngineConfig, ServerConfig and Limits (made with `service.settings.setting`)
-is one option and one environment variable, named after it: `kv_cache_mb` is `--kv-cache-mb`
-and PAGECHAT_KV_CACHE_MB; a bool is `--name` / `--no-name` and PAGECHAT_NAME=true|false. The
+Every field of EngineConfig, ServerConfig, Limits and KVTierConfig (made with
+`service.settings.setting`) is one option and one environment variable, named after it:
+`kv_cache_mb` is `--kv-cache-mb` and PAGECHAT_KV_CACHE_MB, a KVTierConfig field takes the
+prefix `kv-tier-` (`codec`: `--kv-tier-codec`, PAGECHAT_KV_TIER_CODEC); a bool is `--name` /
+`--no-name` and PAGECHAT_NAME=true|false. The
 command line wins over the environment, the environment over the field's default. Kept free
 of the web stack so that building the CLI parser stays cheap.
 
@@ -25,12 +27,21 @@ from typing import Any
 
 from service.api.config import Limits, ServerConfig
 from service.engine.config import EngineConfig
+from service.kvtier.config import KVTierConfig
 from service.settings import HELP, SHOWN_DEFAULT
 
 # Each group's dataclass, in the order of docs/config.md; ServerConfig's `engine` and
-# `limits` fields are the other two groups.
-GROUPS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "limits": Limits}
-_NESTED = frozenset({"engine", "limits"})
+# `limits` fields and EngineConfig's `kv_tier` are groups of their own.
+GROUPS: dict[str, type] = {
+    "engine": EngineConfig,
+    "kv_tier": KVTierConfig,
+    "server": ServerConfig,
+    "limits": Limits,
+}
+NESTED = {"server": frozenset({"engine", "limits"}), "engine": frozenset({"kv_tier"})}
+# A group's options are named `--{prefix}{field}`: the tier's fields say only what they
+# are within the tier (`codec`, `ttl_s`).
+PREFIX = {"kv_tier": "kv_tier_"}
 
 # Spellings from before the options were made from the fields: still read, with a warning.
 # Old option -> (field, whether the old option meant the field's opposite).
@@ -69,6 +80,7 @@ class Option:
 
     group: str
     name: str  # the field's
+    dest: str  # the option's: the field's name with its group's prefix
     parse: Callable[[str], Any]  # a command line's or an environment variable's text
     default: Any
     help: str
@@ -77,7 +89,7 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + self.dest.replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -93,14 +105,15 @@ def options(group: str) -> list[Option]:
     hints = typing.get_type_hints(cls)
     found = []
     for f in dataclasses.fields(cls):
-        if group == "server" and f.name in _NESTED:
+        if f.name in NESTED.get(group, ()):
             continue
         # A field without help text still gets its option; tests/api/test_options.py fails.
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         parse, choices = _parser_for(hints[f.name])
         shown = f.metadata.get(SHOWN_DEFAULT) or _shown(default)
         help_text = f.metadata.get(HELP, "")
-        found.append(Option(group, f.name, parse, default, help_text, shown, choices))
+        dest = PREFIX.get(group, "") + f.name
+        found.append(Option(group, f.name, dest, parse, default, help_text, shown, choices))
     return found
 
 
@@ -227,11 +240,19 @@ def values(
 ) -> dict[str, Any]:
     """The fields of `group` (or those named in `only`) in `args`, as keyword arguments of
     its dataclass."""
-    return {o.name: getattr(args, o.name) for o in options(group) if only is None or o.name in only}
+    return {o.name: getattr(args, o.dest) for o in options(group) if only is None or o.name in only}
+
+
+def kv_tier_from_args(args: argparse.Namespace) -> KVTierConfig | None:
+    """The third tier's config, or None (off) when neither backend is named."""
+    tier = values(args, "kv_tier")
+    if tier["directory"] is None and tier["redis_url"] is None:
+        return None
+    return KVTierConfig(**tier)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    engine = EngineConfig(**values(args, "engine"))
+    engine = EngineConfig(**values(args, "engine"), kv_tier=kv_tier_from_args(args))
     limits = Limits(**values(args, "limits"))
     return ServerConfig(engine=engine, limits=limits, **values(args, "server"))
 

@@ -7,6 +7,7 @@ import msgspec
 from service.api.loop_lag import LagSummary
 from service.api.service import ChatService
 from service.engine.blocks import PoolUsage
+from service.kvtier.tier import KVTierStats
 
 
 class Pool(msgspec.Struct, kw_only=True):
@@ -26,7 +27,8 @@ class PrefixCacheStats(msgspec.Struct, kw_only=True):
     queries: int  # prompt tokens looked up
     hits: int  # found on the device
     cpu_hits: int  # found in the CPU pool, swapped back in
-    hit_rate: float  # (hits + cpu_hits) / queries
+    tier_hits: int  # loaded from the third tier
+    hit_rate: float  # (hits + cpu_hits + tier_hits) / queries
 
 
 class SwapStats(msgspec.Struct, kw_only=True):
@@ -59,6 +61,59 @@ class EngineCounters(msgspec.Struct, kw_only=True):
     step_overhead_share: float  # share of step time outside the model forward
 
 
+class TierBackend(msgspec.Struct, kw_only=True):
+    name: str  # dir | redis
+    entries: int
+    bytes: int
+    cap_bytes: int
+    available: bool  # false while left alone after a failure
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    """The third KV tier (docs/config.md, --kv-tier-*)."""
+
+    codec: str
+    backends: list[TierBackend]
+    blocks_written: int
+    bytes_written: int
+    writes_dropped: int  # the write queue was full
+    write_errors: int
+    pending_writes: int
+    loads: int
+    loads_timed_out: int
+    blocks_loaded: int
+    blocks_missed: int
+    blocks_rejected: dict[str, int]  # by reason: malformed, foreign, truncated, checksum
+    read_errors: int
+
+
+def tier_stats(t: KVTierStats) -> TierStats:
+    return TierStats(
+        codec=t.codec,
+        backends=[
+            TierBackend(
+                name=b.name,
+                entries=b.entries,
+                bytes=b.bytes,
+                cap_bytes=b.cap_bytes,
+                available=b.available,
+            )
+            for b in t.backends
+        ],
+        blocks_written=t.blocks_written,
+        bytes_written=t.bytes_written,
+        writes_dropped=t.writes_dropped,
+        write_errors=t.write_errors,
+        pending_writes=t.pending_writes,
+        loads=t.loads,
+        loads_timed_out=t.loads_timed_out,
+        blocks_loaded=t.blocks_loaded,
+        blocks_missed=t.blocks_missed,
+        blocks_rejected=t.blocks_rejected,
+        read_errors=t.read_errors,
+    )
+
+
 class Stats(msgspec.Struct, kw_only=True):
     model_id: str
     weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
@@ -71,6 +126,7 @@ class Stats(msgspec.Struct, kw_only=True):
     sessions: SessionStats
     engine: EngineCounters
     event_loop_lag: LagSummary
+    kv_tier: TierStats | None  # null: no third tier
 
 
 def _pool(usage: PoolUsage) -> Pool:
@@ -91,7 +147,8 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
             queries=b.prefix_queries,
             hits=b.prefix_hits,
             cpu_hits=b.prefix_cpu_hits,
-            hit_rate=(b.prefix_hits + b.prefix_cpu_hits) / b.prefix_queries
+            tier_hits=b.prefix_tier_hits,
+            hit_rate=(b.prefix_hits + b.prefix_cpu_hits + b.prefix_tier_hits) / b.prefix_queries
             if b.prefix_queries
             else 0.0,
         ),
@@ -122,4 +179,5 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
             step_overhead_share=s.timing.overhead_share,
         ),
         event_loop_lag=service.lag.summary(lag_window_s),
+        kv_tier=tier_stats(s.kv_tier) if s.kv_tier is not None else None,
     )

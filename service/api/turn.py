@@ -248,12 +248,14 @@ class Turn:
         last = self._last
         cached = last.num_cached_tokens if last else 0
         swapped = last.num_swapped_in_tokens if last else 0
+        loaded = last.num_loaded_tokens if last else 0
         return Usage(
             prompt_tokens=prompt_tokens,
             cached_tokens=cached,
             swapped_in_tokens=swapped,
+            loaded_tokens=loaded,
             # Unknown (0) when the answer ended before the engine reported anything.
-            recomputed_tokens=prompt_tokens - cached - swapped if last else 0,
+            recomputed_tokens=prompt_tokens - cached - swapped - loaded if last else 0,
             completion_tokens=len(self.answer),
         )
 

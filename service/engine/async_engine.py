@@ -19,6 +19,7 @@ before the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -51,6 +52,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_scope: CacheScope | None
+    persist: bool = False
 
 
 @dataclass(slots=True)
@@ -140,7 +142,8 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self) -> None:
-        """Abort what is running, stop the thread, and leave the pools balanced."""
+        """Abort what is running, stop the thread, leave the pools balanced, and write what
+        the third tier has queued."""
         for request_id in list(self._streams):
             self._commands.put(_Abort(request_id))
         self._stopping.set()
@@ -148,6 +151,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        await asyncio.to_thread(self.engine.close)
 
     def check_balanced(self) -> None:
         """After `stop`: KVInvariantError unless the pools' accounting holds."""
@@ -156,8 +160,12 @@ class AsyncEngine:
         self.engine.check_balanced()
 
     def stats(self) -> EngineStats:
-        """The snapshot published after the latest step (safe from any thread)."""
-        return self._stats
+        """The snapshot published after the latest step (safe from any thread); the third
+        tier's counters are read now, since its threads write while the engine is idle."""
+        tier = self.engine.kv_tier
+        if tier is None:
+            return self._stats
+        return dataclasses.replace(self._stats, kv_tier=tier.stats())
 
     async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:
         """The block hashes of `token_ids` in `scope`, and where each block is now: read
@@ -190,8 +198,10 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_scope: CacheScope | None = None,
+        persist: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until every sample has finished.
+        """Stream a request's outputs until every sample has finished (`persist`: see
+        `LLMEngine.add_request`).
 
         Use inside `contextlib.aclosing` (or consume to the end) so that leaving early aborts
         the request at once rather than when the generator is collected.
@@ -201,7 +211,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise RequestError(f"request {request_id!r} is already running")
         stream = _Stream(params.n)
-        if not self._ask(_Add(request_id, list(prompt_token_ids), params, cache_scope)):
+        add = _Add(request_id, list(prompt_token_ids), params, cache_scope, persist)
+        if not self._ask(add):
             raise EngineDeadError("the engine is not running") from self._error
         self._streams[request_id] = stream
         try:
@@ -281,6 +292,7 @@ class AsyncEngine:
                     command.prompt_token_ids,
                     command.params,
                     command.cache_scope,
+                    persist=command.persist,
                 )
             except RequestError as exc:
                 self._post(self._reject, command.request_id, exc)

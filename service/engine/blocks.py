@@ -22,7 +22,13 @@ NOTE (what a hash covers): blake2b over (parent block's hash, the block's token 
 NOTE (eviction order): a device slot is taken from the free list first; failing that, the
   least recently released cached block is moved to the CPU pool (block by block, not the
   whole sequence) and its slot reused. The CPU pool takes its own free slots first, then drops
-  its least recently used cached block. Blocks in use are never evicted.
+  its least recently used cached block. Blocks in use are never evicted. With `save_evicted`
+  (a third tier, service/kvtier), a dropped block is first saved: a SAVE op, issued before
+  the op that reuses its slot, hands its K/V to the tier.
+NOTE (blocks from the third tier): `allocate` may take, after the prefix hit, a run of
+  blocks the tier returned (`loaded`): each gets a fresh device slot, a LOAD op copying its
+  K/V there from the step's staged rows (in the order issued), and counts as computed. They
+  are registered under their hashes like blocks the step computes.
 NOTE (copy-on-write): sequences forked from one another share every block, the partial last
   one included. Writes only ever land at positions >= num_computed_tokens, so the only block a
   write can hit while shared is that partial last block: it is copied first.
@@ -53,13 +59,20 @@ class OpKind(enum.Enum):
     SWAP_OUT = "swap_out"  # device slot -> CPU slot
     SWAP_IN = "swap_in"  # CPU slot -> device slot
     COPY = "copy"  # device slot -> device slot (copy-on-write)
+    SAVE_CPU = "save_cpu"  # CPU slot -> the third tier (the block is being dropped)
+    SAVE_DEVICE = "save_device"  # device slot -> the third tier (no CPU room to move it to)
+    LOAD = "load"  # staged row `src` (from the third tier) -> device slot
+
+
+SAVE_KINDS = (OpKind.SAVE_CPU, OpKind.SAVE_DEVICE)
 
 
 @dataclass(slots=True, frozen=True)
 class BlockOp:
     kind: OpKind
     src: int
-    dst: int
+    dst: int  # -1 for SAVE ops: they write no slot
+    block_hash: int | None = None  # SAVE ops: the key the tier stores the block under
 
 
 @dataclass(slots=True, eq=False)
@@ -124,6 +137,7 @@ class BlockStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found on the device
     prefix_cpu_hits: int  # of which found in the CPU pool and swapped back in
+    prefix_tier_hits: int  # of which loaded from the third tier
     blocks_swapped_out: int
     blocks_swapped_in: int
     blocks_copied: int  # copy-on-write
@@ -237,6 +251,7 @@ class _Counters:
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_cpu_hits: int = 0
+    prefix_tier_hits: int = 0
     swapped_out: int = 0
     swapped_in: int = 0
     copied: int = 0
@@ -278,6 +293,7 @@ class BlockManager:
         mode: AllocationMode = AllocationMode.PAGED,
         max_model_len: int = 0,
         watermark_blocks: int = 0,
+        save_evicted: bool = False,
     ) -> None:
         if num_device_blocks < 1 or num_cpu_blocks < 0 or block_size < 1:
             raise ValueError("need >= 1 device block, >= 0 CPU blocks and block_size >= 1")
@@ -290,10 +306,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching and mode is AllocationMode.PAGED
         self.max_model_len = max_model_len
         self.watermark_blocks = watermark_blocks
+        self.save_evicted = save_evicted  # issue SAVE ops for blocks about to be dropped
         self._device = _TierPool(Tier.DEVICE, num_device_blocks)
         self._cpu = _TierPool(Tier.CPU, num_cpu_blocks)
         self._by_hash: dict[int, Block] = {}
         self._ops: list[BlockOp] = []
+        self._num_loaded_rows = 0  # LOAD ops issued since the last take_ops
         self._counters = _Counters()
 
     # ------------------------------------------------------------------ admission
@@ -316,10 +334,14 @@ class BlockManager:
         num_cpu = sum(b.tier is Tier.CPU for b in hits)
         return PrefixHit(tuple(hits), self.block_size, num_cpu)
 
-    def can_allocate(self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int) -> bool:
-        """Whether `seq` (holding no blocks) can take its prefix hit and its first chunk."""
+    def can_allocate(
+        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, num_loaded: int = 0
+    ) -> bool:
+        """Whether `seq` (holding no blocks) can take its prefix hit, `num_loaded` blocks from
+        the third tier after it, and its first chunk."""
         assert not seq.block_table, "can_allocate is for sequences holding no blocks"
-        needed = self._blocks_to_cover(hit.num_tokens + num_new_tokens)
+        loaded_tokens = num_loaded * self.block_size
+        needed = self._blocks_to_cover(hit.num_tokens + loaded_tokens + num_new_tokens)
         device_hits = [b for b in hit.blocks if b.tier is Tier.DEVICE]
         # Claiming a cached device hit takes it off the evictable list.
         evictable_hits = sum(b.ref_count == 0 for b in device_hits)
@@ -327,14 +349,23 @@ class BlockManager:
         return needed - len(device_hits) <= available
 
     def allocate(
-        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, *, count_lookup: bool = True
+        self,
+        seq: PagedSequence,
+        hit: PrefixHit,
+        num_new_tokens: int,
+        *,
+        loaded: list[int] | tuple[int, ...] = (),
+        count_lookup: bool = True,
     ) -> None:
-        """Give `seq` its prefix hit and the blocks for its first `num_new_tokens` tokens.
+        """Give `seq` its prefix hit, then the blocks `loaded` from the third tier (their
+        hashes: the blocks right after the hit), and the blocks for its first `num_new_tokens`
+        tokens.
 
         `count_lookup=False` keeps the lookup out of the prefix-cache statistics (the engine's
         own prefill-only requests, tail prefills, are not user traffic).
         """
-        assert self.can_allocate(seq, hit, num_new_tokens)
+        assert self.can_allocate(seq, hit, num_new_tokens, len(loaded))
+        assert list(loaded) == seq.block_hashes[len(hit.blocks) : len(hit.blocks) + len(loaded)]
         # Claim every hit before taking any slot: swapping one CPU hit in may evict a device
         # block to the CPU pool, whose LRU victim must not be a hit not yet claimed.
         for block in hit.blocks:
@@ -343,14 +374,22 @@ class BlockManager:
             if block.tier is Tier.CPU:
                 self._move_to_device(block)
         seq.block_table.extend(hit.blocks)
-        seq.num_computed_tokens = hit.num_tokens
+        for _ in loaded:
+            block = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
+            self._device.held[block.slot] = block
+            self._ops.append(BlockOp(OpKind.LOAD, self._num_loaded_rows, block.slot))
+            self._num_loaded_rows += 1
+            seq.block_table.append(block)
+        computed = hit.num_tokens + len(loaded) * self.block_size
+        seq.num_computed_tokens = computed
         seq.num_registered_blocks = len(hit.blocks)
         if count_lookup:
             self._counters.prefix_queries += seq.num_tokens
             self._counters.prefix_hits += hit.num_device_tokens
             self._counters.prefix_cpu_hits += hit.num_cpu_tokens
-        self._grow(seq, hit.num_tokens + num_new_tokens)
-        self._register_full_blocks(seq, hit.num_tokens + num_new_tokens)
+            self._counters.prefix_tier_hits += len(loaded) * self.block_size
+        self._grow(seq, computed + num_new_tokens)
+        self._register_full_blocks(seq, computed + num_new_tokens)
 
     # ------------------------------------------------------------------ growth
 
@@ -426,6 +465,7 @@ class BlockManager:
     def take_ops(self) -> list[BlockOp]:
         """The block moves issued since the last call, in the order they must run."""
         ops, self._ops = self._ops, []
+        self._num_loaded_rows = 0
         return ops
 
     def stats(self) -> BlockStats:
@@ -436,6 +476,7 @@ class BlockManager:
             prefix_queries=c.prefix_queries,
             prefix_hits=c.prefix_hits,
             prefix_cpu_hits=c.prefix_cpu_hits,
+            prefix_tier_hits=c.prefix_tier_hits,
             blocks_swapped_out=c.swapped_out,
             blocks_swapped_in=c.swapped_in,
             blocks_copied=c.copied,
@@ -569,6 +610,9 @@ class BlockManager:
             self._cpu.cached[victim.block_hash] = victim  # type: ignore[index]
         else:
             assert victim.block_hash is not None
+            if self.save_evicted:
+                kind = OpKind.SAVE_CPU if pool.tier is Tier.CPU else OpKind.SAVE_DEVICE
+                self._ops.append(BlockOp(kind, slot, -1, victim.block_hash))
             del self._by_hash[victim.block_hash]
             victim.block_hash = None
             self._counters.dropped += 1

@@ -39,6 +39,7 @@ import torch
 
 from service.engine.blocks import AllocationMode
 from service.engine.quant import INT4, PACKED_BITS, packed_decode_pays
+from service.kvtier.config import KVTierConfig
 from service.settings import setting
 
 
@@ -149,6 +150,8 @@ class EngineConfig:
         " pool. Prefill and mixed steps, the CPU and the torch backend run eagerly. Off: every"
         " step eager (service/engine/cuda_graphs.py)",
     )
+    # The third tier of KV blocks (service/kvtier): its own options, the `kv_tier` group.
+    kv_tier: KVTierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -33,6 +33,10 @@ from service.engine.sampler import Sampler, SamplingRow
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import FinishReason, Sequence, SequenceStatus
 from service.engine.stop import StopChecker
+from service.kvtier.record import BlockLayout
+from service.kvtier.tier import KVTier, KVTierStats
+
+LOAD_POLL_S = 0.05  # an engine waiting only on tier loads still takes commands this often
 
 
 class RequestError(ValueError):
@@ -53,6 +57,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens found in the device prefix cache
     num_swapped_in_tokens: int  # prompt tokens brought back from the CPU pool
+    num_loaded_tokens: int  # prompt tokens loaded from the third tier (service/kvtier)
     num_output_tokens: int
     # When the request was first admitted (time.monotonic()); queue time ends here.
     first_scheduled_time: float | None = None
@@ -95,6 +100,7 @@ class EngineStats:
     prompt_tokens_computed: int
     tokens_generated: int
     timing: StepTiming
+    kv_tier: KVTierStats | None = None  # None: no third tier
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +142,7 @@ class _Request:
     seqs: list[Sequence]
     stop_checkers: dict[int, StopChecker] = field(default_factory=dict)
     forked: bool = False
+    persist: bool = False  # save its blocks to the third tier when it finishes
 
 
 class LLMEngine:
@@ -171,20 +178,29 @@ class LLMEngine:
                     f"contiguous mode needs {per_seq} blocks per sequence; "
                     f"the pool has {num_device}"
                 )
+        namespace = f"{loaded.model_id}|{config.cache_salt}"
+        self.kv_tier: KVTier | None = None
+        if config.kv_tier is not None and config.enable_prefix_caching:
+            # The third tier is keyed by block hash: without the prefix cache there are none.
+            shape = (args.num_layers, 2, config.block_size, args.num_kv_heads, args.head_dim)
+            layout = BlockLayout(loaded.model_id, namespace, dtype, shape)
+            self.kv_tier = KVTier.open(config.kv_tier, layout)
         self.block_manager = BlockManager(
             num_device,
             num_cpu,
             config.block_size,
-            namespace=f"{loaded.model_id}|{config.cache_salt}",
+            namespace=namespace,
             enable_prefix_caching=config.enable_prefix_caching,
             mode=config.allocation,
             max_model_len=self.max_model_len,
+            save_evicted=self.kv_tier is not None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
+            kv_tier=self.kv_tier,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -195,6 +211,7 @@ class LLMEngine:
             device=device,
             dtype=dtype,
             backend=get_backend(config.attention_backend, device),
+            kv_tier=self.kv_tier,
         )
         # Pure decode steps replay CUDA graphs where they can; every other step the runner.
         self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
@@ -214,8 +231,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         cache_scope: CacheScope | None = None,
+        *,
+        persist: bool = False,
     ) -> None:
-        """Queue a request; `cache_scope` limits who shares its KV blocks (None: everyone)."""
+        """Queue a request; `cache_scope` limits who shares its KV blocks (None: everyone);
+        `persist` saves its full blocks to the third tier when it finishes (a stored
+        conversation, so that a restart or another replica finds it)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already running")
@@ -241,7 +262,7 @@ class LLMEngine:
             cache_scope=cache_scope,
             generator=self._generator(params, 0),
         )
-        request = _Request(request_id, params, [seq])
+        request = _Request(request_id, params, [seq], persist=persist)
         request.stop_checkers[0] = StopChecker(self.tokenizer, params)
         self._requests[request_id] = request
         self.scheduler.add(seq)
@@ -278,8 +299,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         timing, t0 = self._timing, time.perf_counter()
+        if self.kv_tier is not None:
+            self.kv_tier.load_finished.clear()  # before the scheduler looks at the loads
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self.scheduler.loading:
+                # Only loads to wait for: wake when one finishes (or soon, for new commands).
+                assert self.kv_tier is not None
+                self.kv_tier.load_finished.wait(LOAD_POLL_S)
+                return []
             if self.scheduler.has_work() and not self.scheduler.running:
                 raise RuntimeError("scheduler is stuck: work is queued but nothing fits")
             return []
@@ -344,6 +372,7 @@ class LLMEngine:
             prompt_tokens_computed=self._prompt_tokens_computed,
             tokens_generated=self._tokens_generated,
             timing=dataclasses.replace(self._timing),
+            kv_tier=self.kv_tier.stats() if self.kv_tier is not None else None,
         )
 
     def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
@@ -369,11 +398,27 @@ class LLMEngine:
         )
 
     def check_balanced(self) -> None:
-        """KVInvariantError unless the KV pools' accounting holds for the sequences alive now."""
+        """KVInvariantError unless the KV pools' accounting holds for the sequences alive now.
+
+        Sequences waiting on the third tier hold no blocks; with none alive, no load is
+        left waiting in the scheduler.
+        """
         live = self._live_sequences()
         self.block_manager.check_invariants(live)
+        for seq in self.scheduler.loading:
+            if seq.block_table:
+                raise KVInvariantError("a sequence loading from the tier holds blocks")
+            if seq not in live:
+                raise KVInvariantError("a finished sequence is still loading")
         if not live and not self.block_manager.is_idle_balanced():
             raise KVInvariantError("blocks leaked with no request alive")
+        if not live and self.scheduler.loading:
+            raise KVInvariantError("a load is left with no request alive")
+
+    def close(self) -> None:
+        """Write what the third tier has queued and stop its threads (at shutdown)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -410,10 +455,26 @@ class LLMEngine:
             request.stop_checkers[i] = StopChecker(self.tokenizer, request.params)
         return [seq, *children]
 
+    def _persist(self, seq: Sequence) -> None:
+        """Save `seq`'s computed full blocks that the third tier does not hold yet."""
+        tier = self.kv_tier
+        if tier is None or not self._requests[seq.request_id].persist:
+            return
+        num_full = seq.num_computed_tokens // self.block_manager.block_size
+        pairs = [
+            (h, block)
+            for h, block in zip(seq.block_hashes[:num_full], seq.block_table, strict=False)
+            if not tier.knows(h)
+        ]
+        if pairs:
+            blocks = self.runner.read_blocks([block for _, block in pairs])
+            tier.save([h for h, _ in pairs], blocks)
+
     def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
         """The prompt's K/V are computed and its full blocks cached: nothing to generate."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.LENGTH
+        self._persist(seq)
         self.scheduler.remove(seq)
         del self._requests[seq.request_id]
         return RequestOutput(
@@ -427,6 +488,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
+            num_loaded_tokens=seq.num_loaded_tokens,
             num_output_tokens=0,
             first_scheduled_time=seq.first_scheduled_time,
         )
@@ -443,6 +505,7 @@ class LLMEngine:
         if reason is not None:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
+            self._persist(seq)
             self.scheduler.remove(seq)
             if all(s.is_finished for s in request.seqs):
                 del self._requests[seq.request_id]
@@ -457,6 +520,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_swapped_in_tokens=seq.num_swapped_in_tokens,
+            num_loaded_tokens=seq.num_loaded_tokens,
             num_output_tokens=seq.num_output_tokens,
             first_scheduled_time=seq.first_scheduled_time,
         )

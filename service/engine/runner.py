@@ -4,20 +4,26 @@ Pools are `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (layer-major
 layer's K and V caches are contiguous for attention; a block move touches every layer with one
 indexing op). The CPU pool is pinned on CUDA so swaps can overlap. The device pool holds one
 block more than the block manager hands out: `scratch_block`, where the padding rows of a
-captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend.
+captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend. With a third
+tier (service/kvtier) the runner also hands it blocks about to be dropped (SAVE ops) and copies
+the blocks it loaded into their device slots (LOAD ops).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
-from service.engine.blocks import BlockOp, OpKind
+from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind, Tier
 from service.engine.model import LlamaModel, ModelArgs
 from service.engine.scheduler import StepBatch
+
+if TYPE_CHECKING:
+    from service.kvtier.tier import KVTier, LoadedRun
 
 
 @dataclass(slots=True)
@@ -25,6 +31,7 @@ class OpGroup:
     kind: OpKind
     src: list[int]
     dst: list[int]
+    hashes: list[int] = field(default_factory=list)  # SAVE groups: each block's key
 
 
 def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
@@ -32,6 +39,7 @@ def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
 
     A group is cut where batching would change the result: an op writing a slot already
     written in the group, or (for device-to-device copies) reading a slot the group writes.
+    SAVE ops write no slot.
     """
     groups: list[OpGroup] = []
     written: set[int] = set()
@@ -44,7 +52,11 @@ def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
             written = set()
         g.src.append(op.src)
         g.dst.append(op.dst)
-        written.add(op.dst)
+        if op.kind in SAVE_KINDS:
+            assert op.block_hash is not None
+            g.hashes.append(op.block_hash)
+        else:
+            written.add(op.dst)
     return groups
 
 
@@ -88,8 +100,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         backend: AttentionBackend,
+        kv_tier: KVTier | None = None,
     ) -> None:
         self.model = model
+        self.kv_tier = kv_tier
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -113,11 +127,20 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * itemsize
 
-    def apply_block_ops(self, ops: list[BlockOp]) -> None:
+    def apply_block_ops(self, ops: list[BlockOp], loaded: list[LoadedRun] | None = None) -> None:
+        staged = _stage(loaded)  # [L, 2, rows, bs, Hkv, D] on the host, or None
         for g in group_block_ops(ops):
             src = torch.tensor(g.src, dtype=torch.int64)
             dst = torch.tensor(g.dst, dtype=torch.int64)
-            if g.kind is OpKind.COPY:
+            if g.kind in SAVE_KINDS:
+                pool = self.cpu_pool if g.kind is OpKind.SAVE_CPU else self.device_pool
+                self._save(pool, g.src, g.hashes)
+            elif g.kind is OpKind.LOAD:
+                assert staged is not None, "LOAD ops without loaded blocks"
+                every_row = g.src == list(range(staged.shape[2]))  # the usual case: no gather
+                rows = staged if every_row else staged[:, :, src]  # [L, 2, n, bs, Hkv, D]
+                self.device_pool[:, :, dst.to(self.device)] = rows.to(self.device)
+            elif g.kind is OpKind.COPY:
                 self.backend.copy_blocks(self.device_pool, src.to(self.device), dst.to(self.device))
             elif g.kind is OpKind.SWAP_OUT:
                 self.backend.swap_blocks(self.device_pool, self.cpu_pool, src, dst)
@@ -127,9 +150,29 @@ class ModelRunner:
             # Swap-outs read device slots the coming forward may overwrite: finish them first.
             torch.cuda.current_stream(self.device).synchronize()
 
+    def read_blocks(self, blocks: list[Block]) -> torch.Tensor:
+        """A host copy of `blocks`' K/V, in order: [L, 2, n, bs, Hkv, D]."""
+        out = torch.empty(_with_blocks(self.cpu_pool.shape, len(blocks)), dtype=self.cpu_pool.dtype)
+        for tier, pool in ((Tier.DEVICE, self.device_pool), (Tier.CPU, self.cpu_pool)):
+            rows = [i for i, b in enumerate(blocks) if b.tier is tier]
+            if rows:
+                slots = torch.tensor([blocks[i].slot for i in rows], device=pool.device)
+                out[:, :, torch.tensor(rows)] = pool[:, :, slots].cpu()
+        return out
+
+    def _save(self, pool: torch.Tensor, slots: list[int], hashes: list[int]) -> None:
+        """Hand blocks about to be dropped to the tier (those it does not hold already)."""
+        tier = self.kv_tier
+        if tier is None:
+            return
+        keep = [i for i, h in enumerate(hashes) if not tier.knows(h)]
+        if keep:
+            index = torch.tensor([slots[i] for i in keep], device=pool.device)
+            tier.save([hashes[i] for i in keep], pool[:, :, index].cpu())  # a copy: [L, 2, n, ...]
+
     def prepare(self, batch: StepBatch) -> StepInputs:
         """Run the step's block moves; build the forward's inputs and attention plan."""
-        self.apply_block_ops(batch.block_ops)
+        self.apply_block_ops(batch.block_ops, batch.loaded)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -195,3 +238,12 @@ class ModelRunner:
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
     return (*shape[:2], num_blocks, *shape[3:])
+
+
+def _stage(loaded: list[LoadedRun] | None) -> torch.Tensor | None:
+    """The step's loaded runs as one tensor of rows, in LOAD-op row order."""
+    if not loaded:
+        return None
+    if len(loaded) == 1:
+        return loaded[0].data
+    return torch.cat([run.data for run in loaded], dim=2)  # [L, 2, rows, bs, Hkv, D]

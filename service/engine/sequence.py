@@ -10,15 +10,20 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from service.engine.blocks import Block, CacheScope
 from service.engine.params import SamplingParams
 
+if TYPE_CHECKING:
+    from service.kvtier.tier import LoadedRun, LoadTicket
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted for recompute
+    LOADING = "loading"  # holds no blocks; waits for blocks of its prefix from the third tier
     RUNNING = "running"  # holds device blocks, scheduled every step
     SWAPPED = "swapped"  # preempted; its private blocks wait in the CPU pool
     FINISHED = "finished"
@@ -54,10 +59,17 @@ class Sequence:
     # Where the prompt's tokens came from at (re)admission, for usage reports.
     num_cached_tokens: int = 0  # prefix-cache hits on the device
     num_swapped_in_tokens: int = 0  # prefix-cache hits brought back from the CPU pool
+    num_loaded_tokens: int = 0  # prefix blocks loaded from the third tier
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # first admission (monotonic), for queue time
+    # The third tier (the scheduler's): asked once per admission; the load in flight, or the
+    # run it returned (blocks from `tier_load_start` on) until the sequence is admitted.
+    tier_probed: bool = False
+    tier_load_start: int = 0
+    tier_ticket: LoadTicket | None = None
+    tier_run: LoadedRun | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -95,5 +107,6 @@ class Sequence:
             num_registered_blocks=self.num_registered_blocks,
             num_cached_tokens=self.num_cached_tokens,
             num_swapped_in_tokens=self.num_swapped_in_tokens,
+            num_loaded_tokens=self.num_loaded_tokens,
             generator=generator,
         )

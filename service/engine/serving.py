@@ -82,9 +82,11 @@ class ServingEngine(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_scope: CacheScope | None = None,
+        persist: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Every sample's outputs until all have finished; RequestError for a request the
-        engine cannot take, EngineDeadError once the engine has failed (NOTE (abort))."""
+        engine cannot take, EngineDeadError once the engine has failed (NOTE (abort)).
+        `persist`: its full blocks also go to the third KV tier when it finishes."""
         ...
 
     async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:

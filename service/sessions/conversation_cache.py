@@ -103,7 +103,9 @@ class ConversationCache:
             # Named after its session, unique per conversation length.
             request_id = f"{session_id}/tail/{len(token_ids)}"
             params = SamplingParams(max_tokens=0)
-            stream = self.engine.generate(token_ids, params, request_id, scope)
+            # persist: the stored conversation's blocks also go to the third KV tier, where
+            # a restarted server or another replica finds them (no-op without a tier).
+            stream = self.engine.generate(token_ids, params, request_id, scope, persist=True)
             async for _ in stream:
                 pass
         except (RequestError, EngineDeadError) as exc:

@@ -13,6 +13,8 @@ import pytest
 
 from service.api.options import (
     GROUPS,
+    NESTED,
+    PREFIX,
     RENAMED,
     Option,
     add_arguments,
@@ -76,20 +78,20 @@ def test_every_config_field_has_exactly_one_option_and_one_environment_variable(
     by_field: dict[str, list[argparse.Action]] = {}
     for action in actions:
         by_field.setdefault(action.dest, []).append(action)
-    fields = {o.name: o for o in all_options()}
+    fields = {o.dest: o for o in all_options()}  # the tier's fields carry its prefix
     assert set(by_field) == set(fields), "an option with no field, or a field with no option"
     for name, found in by_field.items():
         (action,) = found
         option = fields[name]
+        assert name == PREFIX.get(option.group, "") + option.name
         flag = "--" + name.replace("_", "-")
         expected = [flag, f"--no-{flag[2:]}"] if option.is_bool else [flag]
         assert action.option_strings == expected
         assert option.env == "PAGECHAT_" + name.upper()
         assert option.help, f"{name} has no help text: make it with service.settings.setting"
         assert action.help is not None and f"[{option.env}; " in action.help
-    nested = {"engine", "limits"}
     for group, cls in GROUPS.items():
-        names = {f for f in cls.__dataclass_fields__ if not (group == "server" and f in nested)}
+        names = {f for f in cls.__dataclass_fields__ if f not in NESTED.get(group, ())}
         assert names == {o.name for o in options(group)}
 
 
@@ -118,7 +120,7 @@ def test_each_environment_variable_sets_its_field(monkeypatch: pytest.MonkeyPatc
     for option in all_options():
         text, value = sample(option)
         monkeypatch.setenv(option.env, text)
-        expected[option.name] = value
+        expected[option.dest] = value
     args = parse()
     assert {name: getattr(args, name) for name in expected} == expected
 
@@ -156,12 +158,15 @@ def test_docs_config_md_tables_are_the_fields_as_written_from_the_code() -> None
     rows = {}
     for line in doc.splitlines():
         if match := re.match(
-            r"\| `(--[a-z0-9-]+)`.*? \| `(PAGECHAT_\w+)` \| `\w+\.(\w+)` \| ", line
+            r"\| `(--[a-z0-9-]+)`.*? \| `(PAGECHAT_\w+)` \| `(\w+\.\w+)` \| ", line
         ):
             flag, env, name = match.groups()
             default = line[match.end() :].split(" | ", 1)[0]
             rows[name] = (flag, env, default)
-    assert rows == {o.name: (o.flag, o.env, o.shown_default) for o in all_options()}
+    assert rows == {
+        f"{GROUPS[o.group].__name__}.{o.name}": (o.flag, o.env, o.shown_default)
+        for o in all_options()
+    }
 
 
 def test_a_setting_needs_its_help_text() -> None:
@@ -174,3 +179,21 @@ def test_no_cuda_graphs_turns_the_decode_graphs_off(monkeypatch: pytest.MonkeyPa
     assert not config_from_args(parse("--no-cuda-graphs")).engine.cuda_graphs
     monkeypatch.setenv("PAGECHAT_CUDA_GRAPHS", "false")
     assert not config_from_args(parse()).engine.cuda_graphs
+
+
+def test_the_kv_tier_is_off_unless_a_directory_or_redis_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config_from_args(parse()).engine.kv_tier is None
+    monkeypatch.setenv("PAGECHAT_KV_TIER_REDIS_URL", "redis://kv:6379/0")
+    tier = config_from_args(
+        parse(
+            *("--kv-tier-directory", "/var/kv", "--kv-tier-directory-mb", "64"),
+            *("--kv-tier-codec", "int8"),
+        )
+    ).engine.kv_tier
+    assert tier is not None
+    assert (tier.directory, tier.directory_mb, tier.codec) == (Path("/var/kv"), 64, "int8")
+    assert tier.redis_url == "redis://kv:6379/0"
+    with pytest.raises(ValueError, match="codec"):
+        config_from_args(parse("--kv-tier-directory", "/var/kv", "--kv-tier-codec", "gzip"))

@@ -177,6 +177,8 @@ async def test_a_turn_streams_stores_its_page_map_and_then_prefills_the_tail(
         0,
         first.scope,
     )
+    # Only the stored conversation's blocks are offered to the third tier, not the turn's own.
+    assert (first.persist, tail.persist) == (False, True)
     # The next turn finds every full block of the stored conversation cached.
     pages = await engine.pages_of(stored.token_ids, tail.scope)
     assert pages.tiers == [Tier.DEVICE] * len(stored.block_hashes)

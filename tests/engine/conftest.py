@@ -52,3 +52,4 @@ def make_engine(tiny_model: LoadedModel) -> Iterator[EngineFactory]:
     for engine in engines:
         assert not engine.has_unfinished_requests(), "a test left requests running"
         engine.check_balanced()
+        engine.close()

@@ -109,6 +109,8 @@ class KVStore:
             Tier.DEVICE: np.full((num_device_blocks, bs), POISON, dtype=np.int64),
             Tier.CPU: np.full((num_cpu_blocks, bs), POISON, dtype=np.int64),
         }
+        self.saved: dict[int, np.ndarray] = {}  # the third tier: block hash -> K/V
+        self.staged: list[np.ndarray] = []  # rows LOAD ops copy from, in row order
 
     def run_ops(self) -> list[BlockOp]:
         """Drain the manager's ops and perform them in the order issued."""
@@ -119,8 +121,15 @@ class KVStore:
                 cpu[op.dst] = device[op.src]
             elif op.kind is OpKind.SWAP_IN:
                 device[op.dst] = cpu[op.src]
+            elif op.kind in (OpKind.SAVE_CPU, OpKind.SAVE_DEVICE):
+                assert op.block_hash is not None
+                pool = cpu if op.kind is OpKind.SAVE_CPU else device
+                self.saved[op.block_hash] = pool[op.src].copy()
+            elif op.kind is OpKind.LOAD:
+                device[op.dst] = self.staged[op.src]
             else:
                 device[op.dst] = device[op.src]
+        self.staged = []
         return ops
 
     def write(self, seq: Sequence, start: int, stop: int) -> None:
@@ -230,6 +239,7 @@ def manager(
     max_model_len: int = 0,
     enable_prefix_caching: bool = True,
     watermark_blocks: int = 0,
+    save_evicted: bool = False,
 ) -> tuple[BlockManager, KVStore]:
     bm = BlockManager(
         num_device_blocks,
@@ -240,6 +250,7 @@ def manager(
         mode=mode,
         max_model_len=max_model_len,
         watermark_blocks=watermark_blocks,
+        save_evicted=save_evicted,
     )
     return bm, KVStore(bm, num_device_blocks, num_cpu_blocks)
 
@@ -372,6 +383,62 @@ def test_the_lru_cached_block_moves_to_the_cpu_pool_when_the_device_runs_out() -
     stats = bm.stats()
     assert (stats.blocks_swapped_out, stats.blocks_dropped) == (1, 0)
     assert (stats.device.cached, stats.device.in_use, stats.cpu.cached) == (1, 2, 1)
+
+
+def test_a_block_dropped_from_the_cpu_pool_is_saved_before_its_slot_is_reused() -> None:
+    bm, kv = manager(2, 1, 2, save_evicted=True)
+    first = make_seq([1, 2, 3])
+    assert admit(bm, kv, first, chunk=3)
+    bm.free(first)  # block [1, 2] cached on the device
+    second = make_seq([4, 5, 6])
+    assert admit(bm, kv, second, chunk=3)  # [1, 2] moves to the CPU pool
+    bm.free(second)
+    third = make_seq([7, 8, 9])
+    hit = bm.find_prefix(third)
+    bm.allocate(third, hit, 3)
+    ops = kv.run_ops()
+    # The CPU pool's one slot is needed for [4, 5]: [1, 2] is saved first, then overwritten.
+    [h12] = chain_hashes([1, 2], 2)
+    save = BlockOp(OpKind.SAVE_CPU, 0, -1, h12)
+    assert ops.index(save) < ops.index(BlockOp(OpKind.SWAP_OUT, ops[-1].src, 0))
+    assert kv.saved[h12].tolist() == kv_values([1, 2])
+    assert bm.tier_of(h12) is None and bm.stats().blocks_dropped == 1
+
+
+def test_without_a_cpu_pool_a_dropped_device_block_is_saved_from_the_device() -> None:
+    bm, kv = manager(2, 0, 2, save_evicted=True)
+    first = make_seq([1, 2, 3])
+    assert admit(bm, kv, first, chunk=3)
+    bm.free(first)
+    [h12] = chain_hashes([1, 2], 2)
+    assert admit(bm, kv, make_seq([4, 5, 6]), chunk=3)
+    assert kv.saved[h12].tolist() == kv_values([1, 2])
+
+
+def test_blocks_loaded_from_the_tier_count_as_computed_and_are_cached_like_others() -> None:
+    bm, kv = manager(8, 0, 2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    hashes = chain_hashes(tokens, 2)
+    seq = make_seq(tokens)
+    hit = bm.find_prefix(seq)
+    assert hit.num_tokens == 0
+    assert bm.can_allocate(seq, hit, 1, num_loaded=3)
+    kv.staged = [np.array(kv_values(tokens)[2 * i : 2 * i + 2]) for i in range(3)]
+    bm.allocate(seq, hit, 1, loaded=hashes[:3])
+    ops = kv.run_ops()
+    assert [(op.kind, op.src) for op in ops] == [
+        (OpKind.LOAD, 0),
+        (OpKind.LOAD, 1),
+        (OpKind.LOAD, 2),
+    ]
+    assert seq.num_computed_tokens == 6
+    compute(kv, seq, 1)
+    kv.assert_computed_positions_intact(seq)
+    assert bm.stats().prefix_tier_hits == 6
+    assert [bm.tier_of(h) for h in hashes[:3]] == [Tier.DEVICE] * 3
+    bm.free(seq)
+    again = make_seq([*tokens[:6], 9])
+    assert bm.find_prefix(again).num_tokens == 6  # now ordinary device hits
 
 
 def test_a_prefix_hit_on_a_cpu_block_swaps_it_back_in_bit_exact() -> None:

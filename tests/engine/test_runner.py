@@ -67,3 +67,19 @@ def test_block_ops_batch_until_a_slot_is_reused() -> None:
         (OpKind.COPY, [1], [3]),
         (OpKind.COPY, [3], [4]),
     ]
+
+
+def test_save_ops_write_no_slot_and_carry_their_hashes() -> None:
+    ops = [
+        BlockOp(OpKind.SAVE_CPU, 3, -1, 0xAA),
+        BlockOp(OpKind.SAVE_CPU, 4, -1, 0xBB),  # -1 twice does not cut the group
+        BlockOp(OpKind.SWAP_OUT, 1, 3),  # then slot 3 is reused
+        BlockOp(OpKind.LOAD, 0, 1),
+        BlockOp(OpKind.LOAD, 1, 2),
+    ]
+    groups = group_block_ops(ops)
+    assert [(g.kind, g.src, g.dst, g.hashes) for g in groups] == [
+        (OpKind.SAVE_CPU, [3, 4], [-1, -1], [0xAA, 0xBB]),
+        (OpKind.SWAP_OUT, [1], [3], []),
+        (OpKind.LOAD, [0, 1], [1, 2], []),
+    ]

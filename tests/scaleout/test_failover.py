@@ -3,8 +3,9 @@
 The nginx config is the one docker-compose.yml mounts (deploy/nginx_conf.py), rendered for
 loopback ports. A session chats on the replica its id hashes to (A); A is killed (SIGKILL, no
 drain); the user reconnects through nginx with `?session=ID`, lands on B, sees its whole
-history, and B rebuilds the KV from the token ids in Redis (recomputed tokens) and takes the
-session over; B's next turn is a prefix-cache hit.
+history, and B loads the history's K/V from the third tier A wrote them to (the same Redis,
+under the tier's own prefix: loaded tokens, not recomputed) and takes the session over; B's
+next turn is a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.api.server import (
     ServerProcess,
     delete_prefix,
     start_server,
+    stored_session,
     unique_prefix,
     wait_balanced,
 )
@@ -64,6 +66,20 @@ async def wait_routed(nginx: NginxProcess, session_id: str, tried: list[str]) ->
     raise AssertionError(f"nginx logged no request that tried {tried}:\n{nginx.log()}")
 
 
+async def wait_tier_written(server: ServerProcess, prefix: str, session_id: str) -> None:
+    """Until `server` has written every full block of the stored conversation to the tier
+    (the tail completion runs after `done`; a replica killed before it finishes would leave
+    the last turn's blocks to be recomputed)."""
+    _, page_map = stored_session(prefix, session_id)
+    assert page_map is not None
+    for _ in range(600):
+        tier = (await server.astats())["kv_tier"]
+        if tier["blocks_written"] >= len(page_map.block_hashes) and not tier["pending_writes"]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the tier holds {tier} of {len(page_map.block_hashes)} blocks")
+
+
 async def turn(url: str, session_id: str, secret: str, content: str) -> tuple[int, int, Answer]:
     """Resume through `url` with `?session=ID`; (messages on resume, history tokens, answer)."""
     async with await ChatClient.connect(f"{url}?session={quote(session_id)}") as chat:
@@ -72,11 +88,14 @@ async def turn(url: str, session_id: str, secret: str, content: str) -> tuple[in
     return len(resumed.messages), resumed.history_tokens, answer
 
 
-async def test_a_session_survives_its_replica_and_is_rebuilt_from_redis_on_another(
+async def test_a_session_survives_its_replica_and_its_kv_is_loaded_from_the_tier_on_another(
     tmp_path: Path,
 ) -> None:
     prefix = unique_prefix()
-    common = ("--redis-url", REDIS_URL, "--redis-prefix", prefix, *REPLICA_ARGS)
+    common = (
+        *("--redis-url", REDIS_URL, "--redis-prefix", prefix, *REPLICA_ARGS),
+        *("--kv-tier-redis-url", REDIS_URL, "--kv-tier-redis-prefix", f"{prefix}kv:"),
+    )
     started = await asyncio.gather(
         *(
             asyncio.to_thread(start_server, tmp_path / f"{name}.log", *common, "--replica-id", name)
@@ -104,10 +123,14 @@ async def test_a_session_survives_its_replica_and_is_rebuilt_from_redis_on_anoth
         assert secret is not None
 
         # Back through nginx by session id: now on the replica the id hashes to, "A".
-        _, first_history, _ = await turn(nginx.ws, session_id, secret, "Name a fruit.")
+        # A long message: the blocks of this turn, which B never sees, are more than the
+        # scheduler's MIN_LOAD_BLOCKS, so B asks the tier for them rather than recomputing.
+        fruit = "Name a fruit. " + " ".join(["Orchards grow many kinds of fruit."] * 14)
+        _, first_history, _ = await turn(nginx.ws, session_id, secret, fruit)
         a_name = owner(prefix, session_id)
         [b_name] = set(replicas) - {a_name}
         a, b = replicas[a_name], replicas[b_name]
+        await wait_tier_written(a, prefix, session_id)
 
         a.proc.kill()  # A dies: no drain, nothing written on its way out
         await asyncio.to_thread(a.proc.wait)
@@ -120,10 +143,23 @@ async def test_a_session_survives_its_replica_and_is_rebuilt_from_redis_on_anoth
         u = rebuilt.usage
         user_turn = ChatFormat(gguf_tokenizer()).user_turn("Name a tree.")
         assert u.prompt_tokens == history + len(user_turn)
-        assert u.cached_tokens + u.swapped_in_tokens + u.recomputed_tokens == u.prompt_tokens
+        assert u.cached_tokens + u.swapped_in_tokens + u.loaded_tokens + u.recomputed_tokens == (
+            u.prompt_tokens
+        )
         # B never saw the turn A answered: at most the session's first turn (B may have
-        # opened it) can be cached there; the rest is rebuilt from the stored token ids.
-        assert u.recomputed_tokens >= u.prompt_tokens - first_history > 0
+        # opened it) can be cached there; the rest of the history is loaded from the tier,
+        # and only its last partial block and the new message are computed.
+        assert (
+            u.loaded_tokens
+            >= history // BLOCK_SIZE * BLOCK_SIZE - first_history // BLOCK_SIZE * BLOCK_SIZE
+            > 0
+        )
+        assert (
+            u.cached_tokens + u.swapped_in_tokens + u.loaded_tokens
+            == history // BLOCK_SIZE * BLOCK_SIZE
+        )
+        assert u.recomputed_tokens < BLOCK_SIZE + len(user_turn)
+        assert (await b.astats())["kv_tier"]["blocks_loaded"] * BLOCK_SIZE == u.loaded_tokens
 
         messages, history, cached = await turn(nginx.ws, session_id, secret, "Name a bird.")
         assert messages == 6 and owner(prefix, session_id) == b_name
