@@ -125,7 +125,7 @@ def _tier_metrics(t: KVTierStats) -> Iterable[Metric]:
     )
     yield _counter(
         "pagechat_kv_tier_writes_dropped",
-        "Blocks not written: the queue was full.",
+        "Blocks not written: the queue was full or no backend was up.",
         t.writes_dropped,
     )
     yield _counter(

@@ -76,7 +76,7 @@ class TierStats(msgspec.Struct, kw_only=True):
     backends: list[TierBackend]
     blocks_written: int
     bytes_written: int
-    writes_dropped: int  # the write queue was full
+    writes_dropped: int  # the write queue was full, or no backend was up
     write_errors: int
     pending_writes: int
     loads: int

@@ -86,7 +86,7 @@ class KVTierStats:
     backends: list[BackendStats]
     blocks_written: int
     bytes_written: int  # encoded record bytes
-    writes_dropped: int  # blocks not written: the write queue was full
+    writes_dropped: int  # blocks not written: the write queue was full, or no backend was up
     write_errors: int
     pending_writes: int  # blocks queued, not yet written
     loads: int  # load requests (one per prompt that missed both pools)
@@ -280,11 +280,12 @@ class KVTier:
     def _write_one(self, block_hash: int, block: torch.Tensor) -> None:
         data = record.encode(block_hash, block.contiguous(), self.layout, self.codec)
         key = self.layout.key(block_hash)
-        stored = False
+        stored = tried = False
         now = time.monotonic()
         for b in self._backends:
             if not b.available(now):
                 continue
+            tried = True
             try:
                 b.backend.put(key, data)
                 stored = True
@@ -295,6 +296,8 @@ class KVTier:
             self._written += 1
             self._bytes_written += len(data)
         else:
+            if not tried:  # every backend is left alone after a failure: the block is lost
+                self._dropped += 1
             self._forget(block_hash)
 
     def _refresh_usage(self) -> None:

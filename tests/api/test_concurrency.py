@@ -28,8 +28,11 @@ SUBJECTS = [
     "bees", "snow", "copper", "violins", "deserts", "tea", "lighthouses", "wolves",
     "clocks", "rain", "cheese", "kites", "coral", "bridges", "ink", "tigers",
 ]  # fmt: skip
-# A loose bound for a loaded 2-core machine; docs/perf.md records the measured figure.
-MAX_LAG_P99_MS = 100.0
+# Not a speed figure (loadtest/ and docs/perf.md measure the lag): a bound that only work
+# wrongly run on the event loop breaks (a prefill or a blocking Redis call takes seconds
+# here), far above what a shared 2-core machine's scheduling adds (~100 ms seen under the
+# full suite).
+MAX_LAG_P99_MS = 500.0
 
 
 @pytest.fixture(scope="module")

@@ -156,6 +156,7 @@ def test_a_stopped_redis_costs_blocks_not_exceptions(redis_server: RedisProcess)
         tier.flush()
         s = tier.stats()
         assert s.read_errors == 1 and s.blocks_written == 1
+        assert s.writes_dropped == 1  # block 2: no backend up to take it
         assert not s.backends[0].available  # left alone: the next calls do not wait on it
         started = time.monotonic()
         assert load(tier, [1]) is None
