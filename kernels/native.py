@@ -111,6 +111,8 @@ def library() -> ctypes.CDLL | None:
     lib.pagechat_int8_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
     lib.pagechat_int4_gemv.restype = ctypes.c_int
     lib.pagechat_int4_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
+    lib.pagechat_rms_norm.restype = None
+    lib.pagechat_rms_norm.argtypes = (*[pointer] * 3, size, size, ctypes.c_float)
     lib.pagechat_paged_decode.restype = ctypes.c_int
     lib.pagechat_paged_decode.argtypes = (
         *[pointer] * 6,
@@ -272,6 +274,20 @@ def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
 
     run(0, n)
     return None if any(declined) else y
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of each row of x [..., D] scaled by weight [D], fp32 in and out: one call where
+    torch's CPU rms_norm is six ops. Not checked beyond dtype and shape: it runs twice a
+    layer, and the caller (model.RMSNorm) passes its own contiguous CPU tensors."""
+    lib = _library_or_raise()
+    d = weight.shape[0]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != d:
+        raise ValueError(f"rms_norm of {tuple(x.shape)} {x.dtype} by {tuple(weight.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.pagechat_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+    return out
 
 
 def paged_decode(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import native
 from service.engine.quant import (
     KERNEL_DTYPE,
     PACKED_BITS,
@@ -102,7 +103,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
-            # One fused op where the reference's order of roundings cannot differ.
+            # One fused op where the reference's order of roundings cannot differ; on the
+            # CPU one native call, where torch's rms_norm is six ops (kernels/native.py).
+            if x.device.type == "cpu" and native.library() is not None:
+                return native.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and scale after casting back, as the reference Llama does, so that
         # bf16 runs round the same way.

@@ -217,3 +217,16 @@ def test_the_int4_matrix_vector_product_reads_torchs_layout_in_fp32(rows: int) -
     assert torch.equal(w.to(torch.bfloat16), want_bf16)  # the fp32 dequantization agrees
     tail, tail_pairs, _ = _int4(80, 64, seed=9)  # a narrow tile: left to torch's kernel
     assert native.int4_gemv(torch.randn(1, 64), tail, tail_pairs) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (2, 3, 100)])
+def test_rms_norm_matches_torchs_in_fp32(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    got = native.rms_norm(x, weight, 1e-5)
+    want = torch.nn.functional.rms_norm(x.double(), (shape[-1],), weight.double(), 1e-5)
+    # Summation order differs from torch's: a few fp32 roundings of each output.
+    assert got.shape == x.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="rms_norm"):
+        native.rms_norm(x.double(), weight, 1e-5)
