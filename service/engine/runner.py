@@ -110,16 +110,10 @@ class ModelRunner:
         self.scale = args.head_dim**-0.5
         shape = (args.num_layers, 2, 0, block_size, args.num_kv_heads, args.head_dim)
         self.scratch_block = num_device_blocks  # never in a block table the manager builds
-        # Host memory is left untouched (torch.empty): a slot is read only after it is written
-        # (padding reads the sequence's own first slot, kernels/reference.py), so zeroing
-        # would only commit the whole pool to resident memory at start-up; it now grows with
-        # use, as llama.cpp's does. GPU memory is zeroed: it is reserved either way, and the
-        # CUDA tests compare whole blocks bit for bit.
-        host = device.type == "cpu"
-        self.device_pool = (torch.empty if host else torch.zeros)(
+        self.device_pool = torch.zeros(
             _with_blocks(shape, num_device_blocks + 1), dtype=dtype, device=device
         )
-        self.cpu_pool = (torch.zeros if device.type == "cuda" else torch.empty)(
+        self.cpu_pool = torch.zeros(
             _with_blocks(shape, num_cpu_blocks),
             dtype=dtype,
             pin_memory=device.type == "cuda",
