@@ -46,7 +46,7 @@ llama-server:
 # pagechat serve (defaults, or each ARGS="--pagechat '...'" configuration) against llama-server
 # on the bundled GGUF: 1 / 8 / 32 streams, 128 tokens each, alternating, two rounds. Prints
 # the tables; JSON and markdown go to results/. Without llama-server it says so and exits 0.
-# make bench-peers ARGS="--pagechat '' --pagechat '--weights int4'"
+# make bench-peers ARGS="--pagechat '' --pagechat '--num-threads 2'"
 bench-peers: setup
 	$(PY) -m benchmarks.peers --json results/peers.json --markdown results/peers.md $(ARGS)
 
