@@ -23,6 +23,7 @@ the real rows only, so no graph holds a [size, vocab] output of its own.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import logging
 import time
@@ -170,8 +171,9 @@ class DecodeStep:
     seq_lens_host: list[int]  # [size], the padding rows' included
 
 
-class DecodeGraphs:
-    """Routes pure decode steps through the static buffers; everything else to the runner."""
+class DecodeGraphs(abc.ABC):
+    """Routes pure decode steps through the static buffers; everything else to the runner.
+    How a size is captured and replayed is the subclass's: CUDA graphs, or eager."""
 
     def __init__(self, runner: ModelRunner, *, sizes: Sequence[int], max_model_len: int) -> None:
         if not sizes or min(sizes) < 1:
@@ -240,11 +242,11 @@ class DecodeGraphs:
             sample_rows=b.sample_rows[:size],
         )
 
-    def _capture(self, padding: DecodeStep) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _capture(self, padding: DecodeStep) -> None: ...
 
-    def _replay(self, step: DecodeStep) -> torch.Tensor:  # hidden [size, H]
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _replay(self, step: DecodeStep) -> torch.Tensor: ...  # hidden [size, H]
 
 
 class EagerDecodeGraphs(DecodeGraphs):
