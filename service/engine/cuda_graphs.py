@@ -209,7 +209,7 @@ class DecodeGraphs(abc.ABC):
         size = None if num_seqs is None else padded_batch_size(num_seqs, self.sizes)
         if num_seqs is None or size is None:
             return self.runner.prepare(batch)
-        self.runner.apply_block_ops(batch.block_ops)
+        self.runner.apply_block_ops(batch.block_ops, batch.loaded)
         seq_lens = self.buffers.fill(DecodeRows.of(batch, self.runner.block_size), size)
         return DecodeStep(num_seqs=num_seqs, size=size, seq_lens_host=seq_lens)
 

@@ -127,7 +127,9 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * itemsize
 
-    def apply_block_ops(self, ops: list[BlockOp], loaded: list[LoadedRun] | None = None) -> None:
+    def apply_block_ops(self, ops: list[BlockOp], loaded: list[LoadedRun]) -> None:
+        """Carry out a step's block ops; `loaded` holds the K/V its LOAD ops copy in (required:
+        any step may load, a pure decode step included)."""
         staged = _stage(loaded)  # [L, 2, rows, bs, Hkv, D] on the host, or None
         for g in group_block_ops(ops):
             src = torch.tensor(g.src, dtype=torch.int64)
@@ -240,7 +242,7 @@ def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
     return (*shape[:2], num_blocks, *shape[3:])
 
 
-def _stage(loaded: list[LoadedRun] | None) -> torch.Tensor | None:
+def _stage(loaded: list[LoadedRun]) -> torch.Tensor | None:
     """The step's loaded runs as one tensor of rows, in LOAD-op row order."""
     if not loaded:
         return None

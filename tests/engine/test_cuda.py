@@ -138,13 +138,13 @@ def test_cuda_swap_out_and_in_and_copy_on_write_are_bit_exact(
     before = pool.clone()
     out_of, into = [3, 17, 9, 30], [0, 5, 11, 2]
     swaps = zip(out_of, into, strict=True)
-    runner.apply_block_ops([BlockOp(OpKind.SWAP_OUT, d, c) for d, c in swaps])
+    runner.apply_block_ops([BlockOp(OpKind.SWAP_OUT, d, c) for d, c in swaps], [])
     assert torch.equal(runner.cpu_pool[:, :, into], before[:, :, out_of].cpu())
     back = [20, 21, 1, 8]
     swaps = zip(into, back, strict=True)
-    runner.apply_block_ops([BlockOp(OpKind.SWAP_IN, c, d) for c, d in swaps])
+    runner.apply_block_ops([BlockOp(OpKind.SWAP_IN, c, d) for c, d in swaps], [])
     assert torch.equal(pool[:, :, back], before[:, :, out_of])
-    runner.apply_block_ops([BlockOp(OpKind.COPY, 4, 12), BlockOp(OpKind.COPY, 12, 13)])
+    runner.apply_block_ops([BlockOp(OpKind.COPY, 4, 12), BlockOp(OpKind.COPY, 12, 13)], [])
     assert torch.equal(pool[:, :, 12], before[:, :, 4])
     assert torch.equal(pool[:, :, 13], before[:, :, 4])
     untouched = [b for b in range(pool.shape[2]) if b not in {*back, 12, 13}]

@@ -22,6 +22,7 @@ from service.kvtier.dir_backend import DirBackend
 from tests.api.test_redis_outage import RedisProcess, redis_server
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import Generated, assert_same_greedy, greedy
+from tests.engine.test_cuda_graphs import with_eager_graphs
 from tests.tiny_model import make_tiny_llama
 
 __all__ = ["redis_server"]  # the fixture: a redis-server of the test's own, to stop
@@ -282,3 +283,22 @@ def test_the_bundled_models_answer_is_the_same_loaded_from_the_tier_or_recompute
         for e in engines:
             e.check_balanced()
             e.close()
+
+
+def test_a_loaded_prompt_admitted_in_a_pure_decode_step_runs_through_the_decode_graphs(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    # 8 whole blocks from the tier and one new token: the admitting step's only chunk is one
+    # token that samples, so the step is a pure decode step carrying LOAD ops, and it takes
+    # the decode graphs' path (service/engine/cuda_graphs.py), which must copy them in too.
+    history = prompt(11, 8 * BLOCK)
+    turn = [*history, *prompt(12, 1)]
+    reference, _ = answer(make_engine(), "ref", turn, greedy(6))
+    tier = KVTierConfig(directory=tmp_path)
+    store(make_engine(kv_tier=tier), history)
+    reader = make_engine(kv_tier=tier)
+    graphs = with_eager_graphs(reader, max_num_seqs=4)
+    got, last = answer(reader, "turn", turn, greedy(6))
+    assert last.num_loaded_tokens == 8 * BLOCK
+    assert graphs.steps[0] == (True, [(1, True)])  # the admitting step: through the graphs
+    assert_same_greedy({"r": reference}, {"r": got})
