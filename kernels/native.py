@@ -192,13 +192,9 @@ def dequantize_int4(packed: Tensor, pairs: Tensor, out: Tensor, rows: tuple[int,
     _check(out, (k, last - first), DENSE_DTYPES, packed, pairs)
     fp32 = int(out.dtype == torch.float32)
 
-    def run(begin: int, end: int) -> None:
-        column = out.data_ptr() + (begin - first) * out.element_size()  # out[0, begin - first]
-        lib.pagechat_dequant_int4(
-            packed.data_ptr(), pairs.data_ptr(), column, n, k, begin, end, last - first, fp32
-        )
-
-    run(*rows)
+    lib.pagechat_dequant_int4(
+        packed.data_ptr(), pairs.data_ptr(), out.data_ptr(), n, k, first, last, last - first, fp32
+    )
     return out.t()
 
 
@@ -212,11 +208,9 @@ def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, rows: tuple[int, int
     _check(out, (last - first, k), DENSE_DTYPES, q, scales)
     fp32 = int(out.dtype == torch.float32)
 
-    def run(begin: int, end: int) -> None:
-        row = out.data_ptr() + (begin - first) * k * out.element_size()  # out[begin - first]
-        lib.pagechat_dequant_int8(q.data_ptr(), scales.data_ptr(), row, n, k, begin, end, k, fp32)
-
-    run(*rows)
+    lib.pagechat_dequant_int8(
+        q.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, first, last, k, fp32
+    )
     return out
 
 
@@ -230,16 +224,12 @@ def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight")
     m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    _check(y, (m, n), (torch.float32,), x.contiguous(), q, scales)
     x = x.contiguous()
-
-    def run(begin: int, end: int) -> None:
-        lib.pagechat_int8_gemv(
-            x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, begin, end
-        )
-
-    run(0, n)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _check(y, (m, n), (torch.float32,), x, q, scales)
+    lib.pagechat_int8_gemv(
+        x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, 0, n
+    )
     return y
 
 
@@ -263,17 +253,10 @@ def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
     m = x.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     _check(y, (m, n), (torch.float32,), x, packed, pairs)
-    declined = []
-
-    def run(begin: int, end: int) -> None:
-        declined.append(
-            lib.pagechat_int4_gemv(
-                x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k, begin, end
-            )
-        )
-
-    run(0, n)
-    return None if any(declined) else y
+    declined = lib.pagechat_int4_gemv(
+        x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k, 0, n
+    )
+    return None if declined else y
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -317,24 +300,21 @@ def paged_decode(
     _check(out, (b, hq, d), (torch.float32,), query, key_cache, value_cache, slots, seq_lens)
     context = slots.shape[1]
 
-    def run(begin: int, end: int) -> None:
-        failed = lib.pagechat_paged_decode(
-            query.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            slots.data_ptr(),
-            seq_lens.data_ptr(),
-            out.data_ptr(),
-            hq,
-            hkv,
-            d,
-            context,
-            scale,
-            begin,
-            end,
-        )
-        if failed:
-            raise MemoryError("paged_decode could not allocate its scores")
-
-    run(0, b)
+    failed = lib.pagechat_paged_decode(
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slots.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        hq,
+        hkv,
+        d,
+        context,
+        scale,
+        0,
+        b,
+    )
+    if failed:
+        raise MemoryError("paged_decode could not allocate its scores")
     return out

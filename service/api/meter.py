@@ -1,7 +1,8 @@
 """One answer in the metrics, whatever transport asked for it: time to first token, queue
 time and inter-token latency as its outputs arrive, then its end-to-end latency and the count
 of answers by finish reason (the WebSocket's reasons: stop, length, cancelled, shutdown,
-disconnected, error; an OpenAI answer ends stop, length or disconnected)."""
+disconnected; an OpenAI answer ends stop, length or disconnected). An answer the server
+failed mid-way ends in an error frame and `pagechat_errors_total`, not here."""
 
 from __future__ import annotations
 

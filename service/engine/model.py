@@ -323,11 +323,21 @@ class LlamaModel(nn.Module):
 
     @property
     def dense_weight_dtype(self) -> torch.dtype:
-        """The dtype the dense matmuls read: the weights' own, or bf16 where packed weights
-        are dequantized for large steps."""
+        """The dtype the dense matmuls read: the weights' own, or that of the scratch packed
+        weights are dequantized into for large steps (bf16, or fp32 without fast bf16)."""
+        scratch = self._dequant_scratch
+        if scratch is not None:
+            return scratch.dtype
         if isinstance(self.embed_tokens, PackedEmbedding):
-            return KERNEL_DTYPE
+            return KERNEL_DTYPE  # packed at every batch size: the kernels' input dtype
         return self.embed_tokens.weight.dtype
+
+    @property
+    def _dequant_scratch(self) -> DequantScratch | None:
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        qkv = first.attn.qkv  # every packed projection shares the one scratch
+        return qkv.scratch if isinstance(qkv, QuantLinear) else None
 
     @property
     def weights_description(self) -> str:
@@ -342,7 +352,7 @@ class LlamaModel(nn.Module):
             return f"{self.weights_name} (packed kernel at every batch size{head})"
         return (
             f"{self.weights_name} (packed kernel up to {qkv.max_packed_tokens} rows a step, "
-            f"dequantized to bf16 above{head})"
+            f"dequantized to {_DENSE_NAMES[qkv.scratch.dtype]} above{head})"
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:

@@ -52,8 +52,7 @@ class BlockLayout:
 
     @property
     def raw_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return int(np.prod(self.shape)) * itemsize
+        return int(np.prod(self.shape)) * self.dtype.itemsize
 
     @property
     def tag(self) -> str:

@@ -297,7 +297,8 @@ class KVTier:
             self._bytes_written += len(data)
         else:
             if not tried:  # every backend is left alone after a failure: the block is lost
-                self._dropped += 1
+                with self._lock:  # `save` counts drops too, on the engine thread
+                    self._dropped += 1
             self._forget(block_hash)
 
     def _refresh_usage(self) -> None:
