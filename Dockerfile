@@ -9,7 +9,7 @@ FROM python:3.11-slim-bookworm AS native
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY kernels/native.c /src/
-RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -o /src/libpagechat_native.so \
+RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -pthread -o /src/libpagechat_native.so \
     /src/native.c
 
 FROM python:3.11-slim-bookworm AS base

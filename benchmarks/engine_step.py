@@ -27,6 +27,7 @@ CPU run exercises the path; its figures mean nothing for a GPU.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import json
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import native
 from service.engine.config import EngineConfig, dtype_name
 from service.engine.cuda_graphs import (
     CudaDecodeGraphs,
@@ -58,32 +60,41 @@ from service.engine.scheduler import StepBatch
 
 
 class MatmulClock:
-    """Seconds spent in the model's matmuls: every projection (hooks around each call) and
-    the LM head (`compute_logits`, which is one matmul and a cast). The CPU runs each call
-    to completion, so wall time around it is its cost."""
+    """Seconds spent in the model's matmuls: every projection (hooks around each call, or,
+    in a step the native decoder stack runs, the stack's own clock around each of its GEMVs)
+    and the LM head (`compute_logits`, which is one matmul and a cast). The CPU runs each
+    call to completion, so wall time around it is its cost."""
 
-    def __init__(self, model: LlamaModel) -> None:
-        self.seconds = 0.0
+    def __init__(self, model: LlamaModel, stack: native.DecoderStack | None = None) -> None:
+        self._seconds = 0.0
         self._start = 0.0
+        self._stack = stack
+        if stack is not None:
+            stack.matmul_ns = ctypes.c_int64(0)
         for module in model.modules():
             if isinstance(module, Linear | QuantLinear) and module is not model.lm_head:
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._leave)
-        logits: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
+        logits: Callable[[torch.Tensor, int], torch.Tensor] = model.compute_logits
 
-        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+        def timed_logits(hidden: torch.Tensor, threads: int = 1) -> torch.Tensor:
             start = time.perf_counter()
-            out = logits(hidden)
-            self.seconds += time.perf_counter() - start
+            out = logits(hidden, threads)
+            self._seconds += time.perf_counter() - start
             return out
 
         model.compute_logits = timed_logits  # type: ignore[method-assign]
+
+    @property
+    def seconds(self) -> float:
+        inside_stack = self._stack.matmul_ns.value if self._stack and self._stack.matmul_ns else 0
+        return self._seconds + inside_stack / 1e9
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._start = time.perf_counter()
 
     def _leave(self, module: nn.Module, args: Any, out: Any) -> None:
-        self.seconds += time.perf_counter() - self._start
+        self._seconds += time.perf_counter() - self._start
 
 
 class SyncedForward:
@@ -202,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             engine = LLMEngine(config)  # its crossover trial runs at `threads`
             name = weights if len(args.threads) == 1 else f"{weights} {threads}t"
-            engines[name] = (engine, MatmulClock(engine.runner.model))
+            engines[name] = (engine, MatmulClock(engine.runner.model, engine.runner.decoder_stack))
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in engines}
     for b in args.batch:
         for name, (engine, clock) in engines.items():

@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <pthread.h>
+#include <stdatomic.h>
 
 static inline float bf16_to_float(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -241,46 +244,52 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* One sequence's decode attention: o [Hq, D] from qb [Hq, D] over the len context slots
+   ctx (cache rows of num_kv_heads * head_dim floats); scores holds Hq * len floats. */
+static void attend_row(const float *qb, const float *k_cache, const float *v_cache,
+                       const int64_t *ctx, int64_t len, float *scores, float *o,
+                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
+    const int64_t group = num_q_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim; /* floats per cache slot */
+    /* scores[hq * len + c]; a slot's K (and later V) rows for every head are read together,
+       front to back: the context streams through once, not once per head. */
+    for (int64_t c = 0; c < len; c++) {
+        const float *k = k_cache + ctx[c] * row;
+        for (int64_t hq = 0; hq < num_q_heads; hq++)
+            scores[hq * len + c] =
+                scale * dot_f32(qb + hq * head_dim, k + (hq / group) * head_dim, head_dim);
+    }
+    for (int64_t hq = 0; hq < num_q_heads; hq++) {
+        float *s = scores + hq * len;
+        float peak = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < len; c++) peak = s[c] > peak ? s[c] : peak;
+        for (int64_t c = 0; c < len; c++) s[c] = exp_nonpositive(s[c] - peak);
+        for (int64_t c = 0; c < len; c++) total += s[c];
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < len; c++) s[c] *= inv;
+    }
+    for (int64_t i = 0; i < num_q_heads * head_dim; i++) o[i] = 0.0f;
+    for (int64_t c = 0; c < len; c++) {
+        const float *v = v_cache + ctx[c] * row;
+        for (int64_t hq = 0; hq < num_q_heads; hq++) {
+            const float p = scores[hq * len + c];
+            const float *vh = v + (hq / group) * head_dim;
+            float *oh = o + hq * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) oh[i] += p * vh[i];
+        }
+    }
+}
+
 int pagechat_paged_decode(const float *q, const float *k_cache, const float *v_cache,
                           const int64_t *slots, const int64_t *seq_lens, float *out,
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t max_context, float scale, int64_t b_begin, int64_t b_end) {
-    const int64_t group = num_q_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* floats per cache slot */
-    /* scores[hq * max_context + c]; a slot's K (and later V) rows for every head are read
-       together, front to back: the context streams through once, not once per head. */
     float *scores = malloc(sizeof(float) * (size_t)(num_q_heads * max_context));
     if (scores == NULL) return 1;
     for (int64_t b = b_begin; b < b_end; b++) {
-        const int64_t len = seq_lens[b];
-        const int64_t *ctx = slots + b * max_context;
-        const float *qb = q + b * num_q_heads * head_dim;
-        for (int64_t c = 0; c < len; c++) {
-            const float *k = k_cache + ctx[c] * row;
-            for (int64_t hq = 0; hq < num_q_heads; hq++)
-                scores[hq * max_context + c] =
-                    scale * dot_f32(qb + hq * head_dim, k + (hq / group) * head_dim, head_dim);
-        }
-        for (int64_t hq = 0; hq < num_q_heads; hq++) {
-            float *s = scores + hq * max_context;
-            float peak = -INFINITY, total = 0.0f;
-            for (int64_t c = 0; c < len; c++) peak = s[c] > peak ? s[c] : peak;
-            for (int64_t c = 0; c < len; c++) s[c] = exp_nonpositive(s[c] - peak);
-            for (int64_t c = 0; c < len; c++) total += s[c];
-            const float inv = 1.0f / total;
-            for (int64_t c = 0; c < len; c++) s[c] *= inv;
-        }
-        float *o = out + b * num_q_heads * head_dim;
-        for (int64_t i = 0; i < num_q_heads * head_dim; i++) o[i] = 0.0f;
-        for (int64_t c = 0; c < len; c++) {
-            const float *v = v_cache + ctx[c] * row;
-            for (int64_t hq = 0; hq < num_q_heads; hq++) {
-                const float p = scores[hq * max_context + c];
-                const float *vh = v + (hq / group) * head_dim;
-                float *oh = o + hq * head_dim;
-                for (int64_t i = 0; i < head_dim; i++) oh[i] += p * vh[i];
-            }
-        }
+        const int64_t offset = b * num_q_heads * head_dim;
+        attend_row(q + offset, k_cache, v_cache, slots + b * max_context, seq_lens[b], scores,
+                   out + offset, num_q_heads, num_kv_heads, head_dim, scale);
     }
     free(scores);
     return 0;
@@ -361,5 +370,495 @@ int pagechat_int4_gemv(const float *x, int64_t m, const uint8_t *packed,
     (void)x, (void)m, (void)packed, (void)scales_zeros, (void)y, (void)n, (void)k;
     (void)n_begin, (void)n_end;
     return 1;
+#endif
+}
+
+/* int4 in pagechat's VNNI layout, for CPUs with AVX512-VNNI: the same values as torch's layout
+   (w = scale * (q - 8) + zero, the same [K/32, N, 2] bf16 pairs), packed so that one
+   vpdpbusd multiplies four consecutive weights of each of 16 rows by four int8 inputs.
+   Rows come in tiles of 16; a tile is K/32 groups, a group four runs of 8 columns, a run 64
+   bytes: byte 4j + i holds w[16t + j, 32g + 8s + i] in its low nibble and column + 4 in its
+   high one (native.pack_int4_vnni builds it).
+
+   The input goes in as two int8 digits per group of 32: x ~ dx (hi + lo / 254) with
+   dx = max|x| / 127, hi = round(x / dx) and lo the rounded remainder in steps of dx / 254,
+   so each input is off by at most dx / 508 = max|x| / 64516 (one int8 digit alone, as
+   llama.cpp's Q8 activations, is off by up to max|x| / 254: on the bundled model that moved
+   the logits 5.4% of the largest against the dequantized weights, where bf16 moved them
+   3.0%). Per group, sum_c x_c w_c = dx (scale (X q - 8 X) + zero X) with X q =
+   sum hi q + sum lo q / 254 and X = sum hi + sum lo / 254: two vpdpbusd a run. */
+typedef struct {
+    int8_t *hi, *lo; /* [m, K] each */
+    float *dx;       /* [m, K/32]: each group's step */
+    float *sx;       /* [m, K/32]: each group's sum hi + sum lo / 254 */
+} quantized_rows;
+
+static inline size_t quantized_bytes(int64_t m, int64_t k) {
+    return (size_t)(2 * m * k) + (size_t)(m * (k / 32)) * 2 * sizeof(float);
+}
+
+static inline quantized_rows quantized_view(void *buffer, int64_t m, int64_t k) {
+    quantized_rows q;
+    q.dx = buffer;
+    q.sx = q.dx + m * (k / 32);
+    q.hi = (int8_t *)(q.sx + m * (k / 32));
+    q.lo = q.hi + m * k;
+    return q;
+}
+
+#define LOW_DIGIT 254.0f /* steps of the second digit per step of the first */
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGECHAT_VNNI 1
+static void quantize_rows(const float *x, int64_t m, int64_t k, quantized_rows q) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < k / 32; g++) {
+            const float *src = x + r * k + 32 * g;
+            const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+            const float peak = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+            const float step = peak / 127.0f;
+            const __m512 inv = _mm512_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);
+            const __m512 dx = _mm512_set1_ps(step);
+            const __m512 low_inv = _mm512_mul_ps(inv, _mm512_set1_ps(LOW_DIGIT));
+            /* round to nearest even, as torch.round; the remainder exactly (fnmadd) */
+            const __m512i ha = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+            const __m512i hb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+            const __m512 ra = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ha), dx, a);
+            const __m512 rb = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(hb), dx, b);
+            const __m512i la = _mm512_cvtps_epi32(_mm512_mul_ps(ra, low_inv));
+            const __m512i lb = _mm512_cvtps_epi32(_mm512_mul_ps(rb, low_inv));
+            int8_t *hi = q.hi + r * k + 32 * g, *lo = q.lo + r * k + 32 * g;
+            _mm_storeu_si128((__m128i *)hi, _mm512_cvtsepi32_epi8(ha));
+            _mm_storeu_si128((__m128i *)(hi + 16), _mm512_cvtsepi32_epi8(hb));
+            _mm_storeu_si128((__m128i *)lo, _mm512_cvtsepi32_epi8(la));
+            _mm_storeu_si128((__m128i *)(lo + 16), _mm512_cvtsepi32_epi8(lb));
+            const float high_sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(ha, hb));
+            const float low_sum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(la, lb));
+            q.dx[r * (k / 32) + g] = step;
+            q.sx[r * (k / 32) + g] = high_sum + low_sum / LOW_DIGIT;
+        }
+    }
+}
+
+#define VNNI_ROWS 4
+
+static inline __m512i broadcast4(const int8_t *bytes) {
+    int32_t word;
+    memcpy(&word, bytes, 4);
+    return _mm512_set1_epi32(word);
+}
+
+/* y[r, n] for r < m and weight rows [n_begin, n_end) (tiles of 16) from quantized inputs. */
+static void int4_vnni_tiles(quantized_rows q, int64_t m, const uint8_t *packed,
+                            const uint16_t *scales_zeros, float *y, int64_t n, int64_t k,
+                            int64_t n_begin, int64_t n_end) {
+    const int64_t groups = k / 32;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512 low_weight = _mm512_set1_ps(1.0f / LOW_DIGIT);
+    for (int64_t base = n_begin; base < n_end; base += 16) {
+        const uint8_t *tile = packed + base * k / 2;
+        for (int64_t r0 = 0; r0 < m; r0 += VNNI_ROWS) {
+            const int64_t rows = m - r0 < VNNI_ROWS ? m - r0 : VNNI_ROWS;
+            __m512 out[VNNI_ROWS];
+            for (int r = 0; r < VNNI_ROWS; r++) out[r] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *runs = tile + g * 256;
+                /* per row: sum hi q and sum lo q, the columns' low and high nibbles apart */
+                __m512i high[VNNI_ROWS], low[VNNI_ROWS];
+                for (int r = 0; r < VNNI_ROWS; r++) high[r] = low[r] = _mm512_setzero_si512();
+                for (int s = 0; s < 4; s++) {
+                    const __m512i bytes = _mm512_loadu_si512((const void *)(runs + 64 * s));
+                    const __m512i first = _mm512_and_si512(bytes, nibble);
+                    const __m512i second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t at = (r0 + r) * k + 32 * g + 8 * s;
+                        high[r] = _mm512_dpbusd_epi32(high[r], first, broadcast4(q.hi + at));
+                        high[r] = _mm512_dpbusd_epi32(high[r], second, broadcast4(q.hi + at + 4));
+                        low[r] = _mm512_dpbusd_epi32(low[r], first, broadcast4(q.lo + at));
+                        low[r] = _mm512_dpbusd_epi32(low[r], second, broadcast4(q.lo + at + 4));
+                    }
+                }
+                /* the tile's 16 (scale, zero) pairs: lane j holds row j's, scale low */
+                const __m512i lane =
+                    _mm512_loadu_si512((const void *)(scales_zeros + (g * n + base) * 2));
+                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(lane, 16));
+                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(lane, high_half));
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t at = (r0 + r) * groups + g;
+                    const __m512 xq = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[r]), low_weight,
+                                                      _mm512_cvtepi32_ps(high[r]));
+                    const __m512 sx = _mm512_set1_ps(q.sx[at]);
+                    const __m512 dx = _mm512_set1_ps(q.dx[at]);
+                    const __m512 centred = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sx, xq);
+                    out[r] = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), centred, out[r]);
+                    out[r] = _mm512_fmadd_ps(zero, _mm512_mul_ps(dx, sx), out[r]);
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(y + (r0 + r) * n + base, out[r]);
+        }
+    }
+}
+#endif
+
+int pagechat_has_vnni(void) {
+#if defined(PAGECHAT_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [m, n] = x [m, k] times an int4 weight in the VNNI layout: returns 1 (nothing done)
+   where the library was built without AVX512-VNNI, or on bad shapes; 2 out of memory. */
+int pagechat_int4_vnni_gemv(const float *x, int64_t m, const uint8_t *packed,
+                            const uint16_t *scales_zeros, float *y, int64_t n, int64_t k) {
+#if defined(PAGECHAT_VNNI)
+    if (n % 16 || k % 32) return 1;
+    void *buffer = malloc(quantized_bytes(m, k));
+    if (buffer == NULL) return 2;
+    const quantized_rows q = quantized_view(buffer, m, k);
+    quantize_rows(x, m, k, q);
+    int4_vnni_tiles(q, m, packed, scales_zeros, y, n, k, 0, n);
+    free(buffer);
+    return 0;
+#else
+    (void)x, (void)m, (void)packed, (void)scales_zeros, (void)y, (void)n, (void)k;
+    return 1;
+#endif
+}
+
+/* The VNNI layout back to dense, rows [n_begin, n_end) (tiles of 16) written transposed as
+   pagechat_dequant_int4 writes them: w[n, c] to out[c * out_stride + n - n_begin]. */
+static inline void dequant_int4_vnni(const uint8_t *packed, const uint16_t *scales_zeros,
+                                     void *out, int64_t n, int64_t k, int64_t n_begin,
+                                     int64_t n_end, int64_t out_stride, const int out_fp32) {
+    for (int64_t base = n_begin; base < n_end; base += 16) {
+        for (int64_t g = 0; g < k / 32; g++) {
+            const uint8_t *runs = packed + base * k / 2 + g * 256;
+            const uint16_t *pairs = scales_zeros + (g * n + base) * 2;
+            for (int s = 0; s < 4; s++) {
+                for (int i = 0; i < 4; i++) {
+                    const int64_t c = 32 * g + 8 * s + i;
+                    const int64_t lo = c * out_stride + base - n_begin;
+                    const int64_t hi = (c + 4) * out_stride + base - n_begin;
+                    for (int j = 0; j < 16; j++) {
+                        const uint8_t b = runs[64 * s + 4 * j + i];
+                        STORE(out, out_fp32, lo + j, int4_value(b & 15, pairs + 2 * j));
+                        STORE(out, out_fp32, hi + j, int4_value(b >> 4, pairs + 2 * j));
+                    }
+                }
+            }
+        }
+    }
+}
+
+void pagechat_dequant_int4_vnni(const uint8_t *packed, const uint16_t *scales_zeros, void *out,
+                                int64_t n, int64_t k, int64_t n_begin, int64_t n_end,
+                                int64_t out_stride, int64_t out_fp32) {
+    if (out_fp32)
+        dequant_int4_vnni(packed, scales_zeros, out, n, k, n_begin, n_end, out_stride, 1);
+    else
+        dequant_int4_vnni(packed, scales_zeros, out, n, k, n_begin, n_end, out_stride, 0);
+}
+
+/* A whole decode step's decoder layers in one call, for a model whose projections are all
+   int4 (torch's CPU layout) with fp32 activations and an fp32 paged cache: per layer
+   RMSNorm, the fused qkv GEMV, RoPE on Q and K, K/V written to their slots, attention over
+   each row's context, o_proj, the residual, RMSNorm, gate_up, SiLU(gate) * up, down, the
+   residual. The same arithmetic as the torch path op for op (model.py), without its ~25
+   small ops a layer: at one row those cost more than the layer's matmuls' own overhead.
+
+   x [m, hidden] is the residual stream, updated in place; cos and sin [m, head_dim] are each
+   row's RoPE rows (the sin table signed for rotate_half, as model.rope_tables builds it);
+   write_slots [m] is where each row's K/V goes; block_tables [m, table_width] int32 and
+   seq_lens [m] int32 are each row's pages and context length, its new token included (the
+   step's AttentionMetadata as it is). Returns 0, 1 where memory ran out, 2 where a weight is
+   not in whole tiles of 64 rows or AVX512 is missing (checked before anything is written).
+   Where matmul_ns is not NULL, the nanoseconds spent in the four GEMVs are added to it (for
+   benchmarks/engine_step.py's matmul share: no hook sees inside this call). */
+typedef struct {
+    const uint8_t *packed[4]; /* qkv, o_proj, gate_up, down */
+    const uint16_t *pairs[4]; /* their (scale, zero) pairs, [K/32, N, 2] bf16 */
+    const float *attn_norm, *mlp_norm;
+    float *k_cache, *v_cache; /* [slots, Hkv, D] */
+} pagechat_decoder_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_q_heads, num_kv_heads, head_dim;
+    float rms_norm_eps, scale;
+} pagechat_decoder_shape;
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+#if defined(PAGECHAT_VNNI)
+/* A second thread for the stack's GEMVs: each projection's tiles of 64 rows are split
+   between the calling thread and this helper. While a stack call runs the helper spins
+   between projections (a futex wake-up per projection, ~120 a step, would cost more than
+   the split saves); between calls it sleeps on a condition variable, so an idle engine
+   leaves the core to the event loop. One stack call at a time uses it (a second engine
+   in the process runs its call on one thread). */
+/* The rows of the batch a stack call hands one thread for one layer's attention. */
+typedef struct {
+    const float *qkv; /* [m, qkv_size]: Q at the front of each row */
+    const float *k_cache, *v_cache;
+    const int64_t *slots; /* [m, max_context] */
+    const int32_t *seq_lens;
+    float *out;    /* [m, q_size] */
+    float *scores; /* this thread's: num_q_heads * max_context */
+    int64_t qkv_size, max_context, num_q_heads, num_kv_heads, head_dim;
+    float scale;
+} attention_rows;
+
+/* Work for the helper: rows [n_begin, n_end) of a GEMV's output, or of the batch's
+   attention. */
+typedef struct {
+    int bits;           /* 4: int4_vnni_tiles over quantized inputs; 8: pagechat_int8_gemv;
+                           0: attention */
+    quantized_rows xq;  /* int4's input */
+    const float *x;     /* int8's input */
+    int64_t m, n, k, n_begin, n_end;
+    const void *weight; /* packed int4, or int8 rows */
+    const uint16_t *scales;
+    float *y;
+    attention_rows attention;
+} gemv_part;
+
+static void attend_rows(const attention_rows *a, int64_t begin, int64_t end) {
+    const int64_t q_size = a->num_q_heads * a->head_dim;
+    for (int64_t r = begin; r < end; r++)
+        attend_row(a->qkv + r * a->qkv_size, a->k_cache, a->v_cache, a->slots + r * a->max_context,
+                   a->seq_lens[r], a->scores, a->out + r * q_size, a->num_q_heads,
+                   a->num_kv_heads, a->head_dim, a->scale);
+}
+
+static struct {
+    pthread_mutex_t lock; /* guards `stepping`'s changes and the thread's start */
+    pthread_cond_t wake;
+    pthread_mutex_t owner; /* held by the stack call that uses the helper */
+    int started;
+    atomic_int stepping;          /* 1 while a stack call may post work: spin, don't sleep */
+    atomic_uint posted, finished; /* work counters: the helper's part runs when they differ */
+    gemv_part part;
+} helper = {.lock = PTHREAD_MUTEX_INITIALIZER,
+            .wake = PTHREAD_COND_INITIALIZER,
+            .owner = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void run_part(const gemv_part *p) {
+    if (p->bits == 0)
+        attend_rows(&p->attention, p->n_begin, p->n_end);
+    else if (p->bits == 4)
+        int4_vnni_tiles(p->xq, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin, p->n_end);
+    else
+        pagechat_int8_gemv(p->x, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin,
+                           p->n_end);
+}
+
+/* Runs `part` split at `middle`: the helper takes rows [middle, n_end), the caller
+   [n_begin, middle), with `scratch` in place of the part's attention scores (each thread
+   needs its own). */
+static void run_split(gemv_part part, int64_t middle, float *scratch) {
+    gemv_part mine = part;
+    mine.n_end = middle;
+    mine.attention.scores = scratch;
+    part.n_begin = middle;
+    helper.part = part;
+    const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
+    run_part(&mine);
+    while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket) cpu_relax();
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    unsigned seen = 0;
+    for (;;) {
+        while (atomic_load_explicit(&helper.posted, memory_order_acquire) == seen) {
+            if (atomic_load_explicit(&helper.stepping, memory_order_acquire)) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&helper.lock);
+            while (!atomic_load(&helper.stepping) && atomic_load(&helper.posted) == seen)
+                pthread_cond_wait(&helper.wake, &helper.lock);
+            pthread_mutex_unlock(&helper.lock);
+        }
+        seen = atomic_load_explicit(&helper.posted, memory_order_acquire);
+        run_part(&helper.part);
+        atomic_store_explicit(&helper.finished, seen, memory_order_release);
+    }
+    return NULL;
+}
+
+/* Takes the helper for one stack call: 1 if it is ours (started and spinning), 0 where it
+   could not start or another call holds it (then the call runs on one thread). */
+static int helper_take(void) {
+    if (pthread_mutex_trylock(&helper.owner)) return 0;
+    pthread_mutex_lock(&helper.lock);
+    if (!helper.started) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, NULL) == 0) {
+            pthread_detach(thread);
+            helper.started = 1;
+        }
+    }
+    const int ours = helper.started;
+    if (ours) {
+        atomic_store(&helper.stepping, 1);
+        pthread_cond_signal(&helper.wake);
+    }
+    pthread_mutex_unlock(&helper.lock);
+    if (!ours) pthread_mutex_unlock(&helper.owner);
+    return ours;
+}
+
+static void helper_release(void) {
+    pthread_mutex_lock(&helper.lock);
+    atomic_store(&helper.stepping, 0);
+    pthread_mutex_unlock(&helper.lock);
+    pthread_mutex_unlock(&helper.owner);
+}
+
+/* One projection of the stack (its shapes were checked on entry): the input quantized into
+   `quantized`, then the tiles, split with the helper where `split` is set (it takes the upper half). */
+static inline void project(const float *x, int64_t m, const uint8_t *packed,
+                           const uint16_t *pairs, float *y, int64_t n, int64_t k, int split,
+                           void *quantized, int64_t *matmul_ns) {
+    const int64_t start = matmul_ns ? now_ns() : 0;
+    const quantized_rows q = quantized_view(quantized, m, k);
+    quantize_rows(x, m, k, q);
+    if (split) {
+        const gemv_part part = {.bits = 4, .xq = q, .m = m, .n = n, .k = k, .n_end = n,
+                                .weight = packed, .scales = pairs, .y = y};
+        run_split(part, (n / 16 + 1) / 2 * 16, NULL); /* the caller's half: the larger */
+    } else {
+        int4_vnni_tiles(q, m, packed, pairs, y, n, k, 0, n);
+    }
+    if (matmul_ns) *matmul_ns += now_ns() - start;
+}
+
+#endif /* PAGECHAT_VNNI */
+
+/* pagechat_int8_gemv over every row, split with the helper thread where threads is 2 and
+   it is free (the LM head of a step the decoder stack ran). */
+void pagechat_int8_gemv_threads(const float *x, int64_t m, const int8_t *q,
+                                const uint16_t *scales, float *y, int64_t n, int64_t k,
+                                int64_t threads) {
+#if defined(PAGECHAT_VNNI)
+    if (threads > 1 && helper_take()) {
+        const gemv_part part = {.bits = 8, .x = x, .m = m, .n = n, .k = k, .n_end = n,
+                                .weight = q, .scales = scales, .y = y};
+        run_split(part, n / 2, NULL);
+        helper_release();
+        return;
+    }
+#endif
+    (void)threads;
+    pagechat_int8_gemv(x, m, q, scales, y, n, k, 0, n);
+}
+
+int pagechat_decode_layers(const pagechat_decoder_layer *layers,
+                           const pagechat_decoder_shape *shape, float *x, int64_t m,
+                           const float *cos, const float *sin, const int64_t *write_slots,
+                           const int32_t *block_tables, int64_t table_width, int64_t block_size,
+                           const int32_t *seq_lens, int64_t threads, int64_t *matmul_ns) {
+#if !defined(PAGECHAT_VNNI)
+    (void)layers, (void)shape, (void)x, (void)m, (void)cos, (void)sin, (void)write_slots;
+    (void)block_tables, (void)table_width, (void)block_size, (void)seq_lens, (void)threads;
+    (void)matmul_ns;
+    return 2; /* the weights' layout and kernel are AVX512-VNNI's */
+#else
+    const int64_t h = shape->hidden, inter = shape->intermediate, d = shape->head_dim;
+    const int64_t hq = shape->num_q_heads, hkv = shape->num_kv_heads;
+    const int64_t q_size = hq * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
+    /* per row: the normed input, qkv, the attention's output, gate_up, one projection's
+       output; then the scores and one head's rotation */
+    const int64_t per_row = h + qkv_size + q_size + 2 * inter + h;
+    if (qkv_size % 16 || h % 32 || (2 * inter) % 16 || q_size % 32 || inter % 32) return 2;
+    int64_t max_context = 0;
+    for (int64_t r = 0; r < m; r++) max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
+    /* each row's context slots, from its block table: once a step, read by every layer */
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context));
+    float *work = malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + d));
+    const int64_t widest = inter > h ? (inter > q_size ? inter : q_size) : (h > q_size ? h : q_size);
+    void *quantized = malloc(quantized_bytes(m, widest));
+    if (work == NULL || slots == NULL || quantized == NULL) {
+        free(slots);
+        free(work);
+        free(quantized);
+        return 1;
+    }
+    /* one input's quantization at a time, each projection's view sized for its K */
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < seq_lens[r]; c++)
+            slots[r * max_context + c] =
+                (int64_t)block_tables[r * table_width + c / block_size] * block_size + c % block_size;
+    float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
+    float *gate_up = attn + m * q_size, *proj = gate_up + m * 2 * inter;
+    /* two threads' scores, then one head's rotation */
+    float *scores = proj + m * h, *rotated = scores + 2 * hq * max_context;
+    const int split = threads > 1 && helper_take();
+    for (int64_t l = 0; l < shape->num_layers; l++) {
+        const pagechat_decoder_layer *layer = layers + l;
+        pagechat_rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
+        project(normed, m, layer->packed[0], layer->pairs[0], qkv, qkv_size, h, split, quantized, matmul_ns);
+        for (int64_t r = 0; r < m; r++) {
+            float *row = qkv + r * qkv_size;
+            const float *c = cos + r * d, *s = sin + r * d;
+            /* Q and K heads rotate together: x cos + roll(x, D/2) sin, as apply_rope. */
+            for (int64_t head = 0; head < hq + hkv; head++) {
+                float *v = row + head * d;
+                for (int64_t i = 0; i < d; i++) rotated[i] = v[i] * c[i] + v[(i + d / 2) % d] * s[i];
+                memcpy(v, rotated, sizeof(float) * (size_t)d);
+            }
+            const int64_t slot = write_slots[r];
+            memcpy(layer->k_cache + slot * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+            memcpy(layer->v_cache + slot * kv_size, row + q_size + kv_size,
+                   sizeof(float) * (size_t)kv_size);
+        }
+        const attention_rows rows = {qkv,  layer->k_cache, layer->v_cache, slots,
+                                     seq_lens, attn, scores, qkv_size, max_context, hq,
+                                     hkv,  d,    shape->scale};
+        if (split && m > 1) {
+            /* each thread its own rows, and its own scores */
+            gemv_part part = {.bits = 0, .m = m, .n = m, .n_begin = 0, .n_end = m};
+            part.attention = rows;
+            part.attention.scores = scores + hq * max_context;
+            run_split(part, (m + 1) / 2, scores);
+        } else {
+            attend_rows(&rows, 0, m);
+        }
+        project(attn, m, layer->packed[1], layer->pairs[1], proj, h, q_size, split, quantized, matmul_ns);
+        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+        pagechat_rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
+        project(normed, m, layer->packed[2], layer->pairs[2], gate_up, 2 * inter, h, split,
+                quantized, matmul_ns);
+        for (int64_t r = 0; r < m; r++) {
+            float *g = gate_up + r * 2 * inter, *act = gate_up + r * inter;
+            /* in place, front to back: act[i] is written after g[i] and g[inter + i] are read,
+               and act's rows pack into the first m * inter floats for the down projection */
+            for (int64_t i = 0; i < inter; i++) act[i] = silu(g[i]) * g[inter + i];
+        }
+        project(gate_up, m, layer->packed[3], layer->pairs[3], proj, h, inter, split, quantized, matmul_ns);
+        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+    }
+    if (split) helper_release();
+    free(slots);
+    free(work);
+    free(quantized);
+    return 0;
 #endif
 }

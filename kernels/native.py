@@ -7,6 +7,8 @@ no op for.
 - `int8_gemv`: the int8 LM head at decode with fp32 logits.
 - `paged_decode`: decode attention read in place through the paged cache (the CPU
   attention backend's decode path, kernels/backend.py).
+- `DecoderStack`: every decoder layer of a decode step in one call, for int4 models
+  (service/engine/native_decode.py).
 
 NOTE: built with -march=native, so the library is cached under a key of the source, the
 compiler command and this CPU's feature flags: a cache directory shared between machines
@@ -26,15 +28,18 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kernels.metadata import AttentionMetadata
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
-_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 
 
 def cache_dir() -> Path:
@@ -109,6 +114,15 @@ def library() -> ctypes.CDLL | None:
     lib.pagechat_int8_gemv.restype = None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.pagechat_int8_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
+    lib.pagechat_int8_gemv_threads.restype = None
+    lib.pagechat_int8_gemv_threads.argtypes = (
+        pointer,
+        size,
+        pointer,
+        pointer,
+        pointer,
+        *[size] * 3,
+    )
     lib.pagechat_int4_gemv.restype = ctypes.c_int
     lib.pagechat_int4_gemv.argtypes = (pointer, size, pointer, pointer, pointer, *[size] * 4)
     lib.pagechat_rms_norm.restype = None
@@ -120,6 +134,23 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_float,
         size,
         size,
+    )
+    lib.pagechat_has_vnni.restype = ctypes.c_int
+    lib.pagechat_has_vnni.argtypes = ()
+    lib.pagechat_int4_vnni_gemv.restype = ctypes.c_int
+    lib.pagechat_int4_vnni_gemv.argtypes = (pointer, size, pointer, pointer, pointer, size, size)
+    lib.pagechat_dequant_int4_vnni.restype = None
+    lib.pagechat_dequant_int4_vnni.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 6
+    lib.pagechat_decode_layers.restype = ctypes.c_int
+    lib.pagechat_decode_layers.argtypes = (
+        *[pointer] * 3,
+        size,
+        *[pointer] * 4,
+        size,
+        size,
+        pointer,
+        size,
+        pointer,
     )
     if not _probe(lib):
         log.warning("%s disagrees with torch's int4 packing: not used", SOURCE.name)
@@ -214,10 +245,12 @@ def dequantize_int8(q: Tensor, scales: Tensor, out: Tensor, rows: tuple[int, int
     return out
 
 
-def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+def int8_gemv(x: Tensor, q: Tensor, scales: Tensor, threads: int = 1) -> Tensor:
     """x [M, K] fp32 times an int8 weight q [N, K] with bf16 row scales: [M, N] fp32,
     accumulated in fp32 (torch's int8 kernel rounds its output to bf16). For few rows: it
-    reads the weight once but computes each row's dot products without blocking."""
+    reads the weight once but computes each row's dot products without blocking. At two
+    `threads` the weight rows are split with the library's helper thread (where it is free
+    and the library has it)."""
     lib = _library_or_raise()
     n, k = q.shape
     _check_int8(q, scales, (0, n))
@@ -227,8 +260,8 @@ def int8_gemv(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     _check(y, (m, n), (torch.float32,), x, q, scales)
-    lib.pagechat_int8_gemv(
-        x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, 0, n
+    lib.pagechat_int8_gemv_threads(
+        x.data_ptr(), m, q.data_ptr(), scales.data_ptr(), y.data_ptr(), n, k, threads
     )
     return y
 
@@ -257,6 +290,89 @@ def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
         x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k, 0, n
     )
     return None if declined else y
+
+
+@functools.cache
+def int4_gemv_available() -> bool:
+    """Whether the library was built with the int4 GEMV (AVX512): one 64 x 32 product."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.zeros(64, 32, dtype=torch.int32), 2
+    )
+    pairs = torch.zeros(1, 64, 2, dtype=torch.bfloat16)
+    return int4_gemv(torch.zeros(1, 32), packed, pairs) is not None
+
+
+def has_vnni() -> bool:
+    """Whether int4 weights can take the VNNI layout here (built with AVX512-VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.pagechat_has_vnni())
+
+
+VNNI_TILE = 16  # output rows per tile of the VNNI layout
+
+
+def pack_int4_vnni(q: Tensor) -> Tensor:
+    """q [N, K] (values 0..15) in the VNNI layout (native.c, pagechat_int4_vnni_gemv):
+    [N, K/2] uint8. N a multiple of 16, K of 32."""
+    n, k = q.shape
+    if n % VNNI_TILE or k % 32:
+        raise ValueError(f"the VNNI layout takes N % 16 and K % 32, not [{n}, {k}]")
+    # k = 32 g + 8 s + 4 h + i; byte 4 j + i of run (t, g, s) holds h = 0 low, h = 1 high
+    v = q.to(torch.uint8).view(n // VNNI_TILE, VNNI_TILE, k // 32, 4, 2, 4)  # t j g s h i
+    v = v.permute(0, 2, 3, 1, 5, 4)  # t g s j i h
+    packed = v[..., 0] | (v[..., 1] << 4)  # [T, G, 4, 16, 4]
+    return packed.contiguous().view(n, k // 2)
+
+
+def _check_int4_vnni(packed: Tensor, pairs: Tensor) -> tuple[int, int]:
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if (
+        packed.dtype != torch.uint8
+        or pairs.shape != (k // 32, n, 2)
+        or pairs.dtype != torch.bfloat16
+        or n % VNNI_TILE
+        or k % 32
+    ):
+        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype}, pairs {pairs.shape}")
+    return n, k
+
+
+def int4_vnni_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor:
+    """x [M, K] fp32 times an int4 weight in the VNNI layout: [M, N] fp32. The input is
+    quantized to int8 per group of 32 (native.c says how), the products summed in int32."""
+    lib = _library_or_raise()
+    n, k = _check_int4_vnni(packed, pairs)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"input {tuple(x.shape)} {x.dtype} for a [{n}, {k}] weight")
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _check(y, (m, n), (torch.float32,), x, packed, pairs)
+    status = lib.pagechat_int4_vnni_gemv(
+        x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k
+    )
+    if status == 2:
+        raise MemoryError("pagechat_int4_vnni_gemv could not allocate")
+    if status:
+        raise RuntimeError("the library was built without AVX512-VNNI")
+    return y
+
+
+def dequantize_int4_vnni(
+    packed: Tensor, pairs: Tensor, out: Tensor, rows: tuple[int, int]
+) -> Tensor:
+    """`dequantize_int4` for the VNNI layout: rows on tiles of 16."""
+    lib = _library_or_raise()
+    n, k = _check_int4_vnni(packed, pairs)
+    first, last = rows
+    if not 0 <= first < last <= n or first % VNNI_TILE or last % VNNI_TILE:
+        raise ValueError(f"rows {rows} of [{n}, {k}]: tiles of 16")
+    _check(out, (k, last - first), DENSE_DTYPES, packed, pairs)
+    fp32 = int(out.dtype == torch.float32)
+    lib.pagechat_dequant_int4_vnni(
+        packed.data_ptr(), pairs.data_ptr(), out.data_ptr(), n, k, first, last, last - first, fp32
+    )
+    return out.t()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -318,3 +434,122 @@ def paged_decode(
     if failed:
         raise MemoryError("paged_decode could not allocate its scores")
     return out
+
+
+class DecoderLayer(ctypes.Structure):
+    """One decoder layer's weights and caches as pagechat_decode_layers reads them."""
+
+    _fields_ = [
+        ("packed", ctypes.c_void_p * 4),  # qkv, o_proj, gate_up, down: torch's int4 layout
+        ("pairs", ctypes.c_void_p * 4),  # their (scale, zero) pairs [K/32, N, 2] bf16
+        ("attn_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),  # [slots, Hkv, D] fp32
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class DecoderShape(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_q_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("rms_norm_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """The tensors of one layer the stack reads: each must outlive the stack (it keeps
+    their addresses, not references the caller could drop)."""
+
+    projections: tuple[tuple[Tensor, Tensor], ...]  # (packed, pairs) of qkv, o, gate_up, down
+    attn_norm: Tensor  # [hidden] fp32
+    mlp_norm: Tensor
+    key_cache: Tensor  # [N, bs, Hkv, D] fp32, contiguous
+    value_cache: Tensor
+
+
+class DecoderStack:
+    """Every decoder layer of a decode step in one native call (pagechat_decode_layers).
+
+    Built once per model and KV pool: the layers' addresses go into a C array here, and
+    each step passes only its rows. Holds references to every tensor it points at."""
+
+    def __init__(self, shape: DecoderShape, layers: list[StackLayer], threads: int = 1) -> None:
+        self._lib = _library_or_raise()
+        if threads not in (1, 2):
+            raise ValueError(f"the stack runs on one or two threads, not {threads}")
+        if len(layers) != shape.num_layers:
+            raise ValueError(f"{len(layers)} layers for a shape of {shape.num_layers}")
+        table = (DecoderLayer * len(layers))()
+        for entry, layer in zip(table, layers, strict=True):
+            if len(layer.projections) != 4:
+                raise ValueError("a layer has four projections: qkv, o_proj, gate_up, down")
+            for i, (packed, pairs) in enumerate(layer.projections):
+                if packed.dtype != torch.uint8 or pairs.dtype != torch.bfloat16:
+                    raise ValueError(f"projection {i}: {packed.dtype} / {pairs.dtype}")
+                _check(packed, tuple(packed.shape), (torch.uint8,), pairs)
+                entry.packed[i], entry.pairs[i] = packed.data_ptr(), pairs.data_ptr()
+            for t in (layer.attn_norm, layer.mlp_norm, layer.key_cache, layer.value_cache):
+                _check(t, tuple(t.shape), (torch.float32,))
+            entry.attn_norm, entry.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
+            entry.k_cache, entry.v_cache = layer.key_cache.data_ptr(), layer.value_cache.data_ptr()
+        self.shape = shape
+        self._table = table
+        self._layers = layers  # keeps what the table points at alive
+        # Two: each projection split with the library's helper thread (pagechat_decode_layers).
+        self.threads = threads
+        # Set to a ctypes.c_int64 to have each call add its GEMVs' nanoseconds to it.
+        self.matmul_ns: ctypes.c_int64 | None = None
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        """x [M, hidden] fp32 (the residual stream, updated in place and returned), cos and
+        sin [M, D] (each row's RoPE rows, sin signed for rotate_half), `meta` a decode
+        step's: one new token per sequence, its K/V written to `meta.slot_mapping`."""
+        m = x.shape[0]
+        if meta.num_tokens != m or meta.num_seqs != m or meta.max_query_len > 1:
+            raise ValueError(f"{m} rows for a step of {meta.query_lens_host} tokens")
+        if x.shape != (m, self.shape.hidden) or x.dtype != torch.float32:
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype}")
+        _check(cos, (m, self.shape.head_dim), (torch.float32,), sin, x)
+        _check(sin, (m, self.shape.head_dim), (torch.float32,))
+        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        _check(slots, (m,), (torch.int64,), tables, lens)
+        if tables.dtype != torch.int32 or lens.dtype != torch.int32:
+            raise ValueError("block tables and seq_lens are int32")
+        # The metadata checked the lengths against the tables; a slot outside the pool would
+        # be written outside it (a few rows: cheap).
+        lowest, highest = torch.aminmax(slots)
+        if int(lowest) < 0 or int(highest) >= self._cache_slots(meta.block_size):
+            raise ValueError("a write slot outside the KV pool")
+        status = self._lib.pagechat_decode_layers(
+            ctypes.addressof(self._table),
+            ctypes.addressof(self.shape),
+            x.data_ptr(),
+            m,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            meta.block_size,
+            lens.data_ptr(),
+            self.threads,
+            None if self.matmul_ns is None else ctypes.byref(self.matmul_ns),
+        )
+        if status == 1:
+            raise MemoryError("pagechat_decode_layers could not allocate its work area")
+        if status:
+            raise ValueError("pagechat_decode_layers declined these shapes (tiles of 64, AVX512)")
+        return x
+
+    def _cache_slots(self, block_size: int) -> int:
+        cache = self._layers[0].key_cache  # [N, bs, Hkv, D]
+        if cache.shape[1] != block_size:
+            raise ValueError(f"a step of block size {block_size} over a pool of {cache.shape[1]}")
+        return cache.shape[0] * block_size

@@ -142,6 +142,12 @@ class EngineConfig:
         "torch threads. With 2 threads on the 2-core machines single steps stalled for seconds;"
         " 1 leaves a core for the event loop",
     )
+    decode_threads: int = setting(
+        1,
+        "threads of the native decode stack (one or two): small decode steps of an int4 model"
+        " on the CPU run every layer in one native call, its projections split with a helper"
+        " thread at 2 (kernels/native.c, pagechat_decode_layers)",
+    )
     cuda_graphs: bool = setting(
         True,
         "decode steps on CUDA with the Triton backend replay CUDA graphs captured at start-up"
@@ -169,6 +175,8 @@ class EngineConfig:
             raise ValueError("num_cpu_blocks must be >= 0")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.decode_threads not in (1, 2):
+            raise ValueError("decode_threads must be 1 or 2")
         if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMATS)}")
         if self.weights != "auto" and self.weight_dtype != "auto":
@@ -188,6 +196,11 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device().type == "cuda":
                 return torch.bfloat16
+            if self.weights in ("int4", "int8") or self.keep_stored_int4():
+                # Packed weights take fp32 inputs (the native kernels and decoder stack run
+                # fp32 through; torch's kernels cast either way), and the CPU attention reads
+                # an fp32 cache in place: the bf16-activation trial's win does not apply.
+                return torch.float32
             return fastest_cpu_dtypes().activations
         return _named_dtype(self.dtype, "dtype")
 

@@ -273,10 +273,22 @@ class QuantLinear(nn.Module):
         self.bits = 4 if isinstance(weight, Int4Weight) else 8
         self.max_packed_tokens = max_packed_tokens
         self.scratch = scratch if native.library() is not None else None
+        # The VNNI layout where this CPU has AVX512-VNNI and the weight fills its tiles:
+        # then every packed step runs the native int8-input kernel (2x torch's bf16 one at a
+        # row here, and the native decoder stack's); else torch's layout and kernel.
+        self.vnni = (
+            isinstance(weight, Int4Weight)
+            and device.type == "cpu"
+            and self.out_features % native.VNNI_TILE == 0
+            and native.has_vnni()
+        )
         if isinstance(weight, Int4Weight):
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                weight.q.to(torch.int32), _INNER_K_TILES
-            )
+            if self.vnni:
+                packed = native.pack_int4_vnni(weight.q)
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    weight.q.to(torch.int32), _INNER_K_TILES
+                )
             pairs = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, G, 2]
             scales = pairs.transpose(0, 1).contiguous()  # [G, N, 2]
         else:
@@ -291,11 +303,14 @@ class QuantLinear(nn.Module):
         rows = self.scratch.max_elements // self.in_features // 64 * 64
         return min(self.out_features, max(rows, 64))
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, in] -> [T, out]
+    def forward(self, x: Tensor, threads: int = 1) -> Tensor:
+        # x: [T, in] -> [T, out]; `threads` 2 splits the native int8 GEMV with its helper
         if self.scratch is not None and not packed_kernel_pays(x.shape[0], self.max_packed_tokens):
             dense: Tensor = self._dense(x.to(self.scratch.dtype)).to(x.dtype)
             return dense
+        if self.vnni:
+            # int8 inputs, int32 sums (native.int4_vnni_gemv; the error bound is above).
+            return native.int4_vnni_gemv(x.float(), self.packed, self.scales).to(x.dtype)
         if self.bits == 4 and x.shape[0] <= NATIVE_INT4_ROWS and native.library() is not None:
             # fp32 through, and faster than torch's bf16 kernel at one row (native.int4_gemv).
             y32 = native.int4_gemv(x.float(), self.packed, self.scales)
@@ -303,7 +318,7 @@ class QuantLinear(nn.Module):
                 return y32.to(x.dtype)
         if self.bits == 8 and native.library() is not None:
             # fp32 through: the LM head's logits keep their precision (native.int8_gemv).
-            return native.int8_gemv(x.float(), self.packed, self.scales).to(x.dtype)
+            return native.int8_gemv(x.float(), self.packed, self.scales, threads).to(x.dtype)
         x16 = x.to(KERNEL_DTYPE)
         if self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -330,13 +345,15 @@ class QuantLinear(nn.Module):
         assert self.scratch is not None
         if self.bits == 4:
             block = self.scratch.take(self.in_features, end - begin)  # [in, rows]
-            return native.dequantize_int4(self.packed, self.scales, block, (begin, end))
+            dequantize = native.dequantize_int4_vnni if self.vnni else native.dequantize_int4
+            return dequantize(self.packed, self.scales, block, (begin, end))
         block = self.scratch.take(end - begin, self.in_features)
         return native.dequantize_int8(self.packed, self.scales, block, (begin, end))
 
     def extra_repr(self) -> str:
         dense = "" if self.scratch is None else f", dense above {self.max_packed_tokens} rows"
-        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{dense}"
+        layout = ", VNNI layout" if self.vnni else ""
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}{layout}{dense}"
 
 
 class PackedEmbedding(nn.Module):

@@ -65,8 +65,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    plan: object  # the attention backend's per-step plan
+    plan: object  # the attention backend's per-step plan; None where the native stack runs
     sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
+    native_decode: bool = False  # every layer in one call of the runner's `decoder_stack`
 
 
 @dataclass(slots=True)
@@ -101,6 +102,7 @@ class ModelRunner:
         dtype: torch.dtype,
         backend: AttentionBackend,
         kv_tier: KVTier | None = None,
+        decode_threads: int = 1,
     ) -> None:
         self.model = model
         self.kv_tier = kv_tier
@@ -121,6 +123,12 @@ class ModelRunner:
         # Views into the device pool, taken once: indexing the pool per layer and step cost
         # four ops on the decode hot path. The pool is written in place, never replaced.
         self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
+        # Small decode steps run every layer in one native call where the model can
+        # (model.native_decoder_stack): at one row, the torch path's ~25 ops a layer cost
+        # about as much as the layer's packed matmuls.
+        self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
+        self.decode_threads = decode_threads  # the LM head's native GEMV splits with it too
+        self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
 
     @staticmethod
     def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -210,23 +218,37 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
+        native_decode = self._runs_natively(query_lens)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
-            plan=self.backend.plan(meta),
+            plan=None if native_decode else self.backend.plan(meta),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            native_decode=native_decode,
         )
+
+    def _runs_natively(self, query_lens: list[int]) -> bool:
+        """A decode step (one token per sequence) of few enough rows for the native stack."""
+        if self.decoder_stack is None or len(query_lens) > self.max_native_decode_rows:
+            return False
+        return all(n == 1 for n in query_lens)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The forward; logits [S, V] float32 of the chunks that sample."""
         hidden = self.forward(inputs)  # [T, H]
-        return self.model.compute_logits(hidden[inputs.sample_rows])  # [S, V]
+        rows = hidden[inputs.sample_rows]
+        return self.model.compute_logits(rows, self.decode_threads)  # [S, V]
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Every layer over the step's tokens, K/V written through the pages; hidden [T, H]."""
+        if inputs.native_decode:
+            assert self.decoder_stack is not None
+            return self.model.forward_decode_natively(
+                inputs.input_ids, inputs.positions, self.decoder_stack, inputs.meta
+            )
         attention = PagedLayerAttention(
             caches=self.layer_caches,
             backend=self.backend,
@@ -236,6 +258,11 @@ class ModelRunner:
         )
         hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, attention)
         return hidden
+
+
+# The most sequences a decode step runs through the native stack. It beat the op-by-op path
+# at every batch size tried (1 to 64, docs/perf.md): the cap only bounds its work area.
+MAX_NATIVE_DECODE_ROWS = 256
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

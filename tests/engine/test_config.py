@@ -30,11 +30,19 @@ def test_an_explicit_weight_dtype_wins() -> None:
     assert (config.torch_dtype(), config.torch_weight_dtype()) == (torch.float32, torch.bfloat16)
 
 
-def test_auto_on_the_cpu_takes_one_of_the_timed_choices() -> None:
+def test_auto_on_the_cpu_takes_one_of_the_timed_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(EngineConfig, "keep_stored_int4", lambda self: False)  # dense weights
     config = EngineConfig(device="cpu")
     chosen = CpuDtypes(config.torch_dtype(), config.torch_weight_dtype())
     assert chosen in _CPU_CHOICES
     assert chosen == fastest_cpu_dtypes()  # timed once per process
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_packed_weights_run_with_fp32_activations_whatever_the_trial_says(weights: str) -> None:
+    # The native kernels and decoder stack take fp32 and the CPU attention reads an fp32
+    # cache in place: a bf16 win in the dense trial says nothing about them.
+    assert EngineConfig(device="cpu", weights=weights).torch_dtype() == torch.float32
 
 
 FP32, MIXED, BF16 = _CPU_CHOICES

@@ -1,4 +1,5 @@
-"""Packed weights: GGUF Q4 blocks mapped exactly, and torch's kernels within bf16 rounding."""
+"""Packed weights: GGUF Q4 blocks mapped exactly, and the kernels within their roundings
+(bf16 for torch's, two int8 digits an input for the VNNI one)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from service.engine.quant import (
     quantize_int4,
     quantize_int8,
 )
+from tests.quant_bounds import int8_input_bound
 
 CPU = torch.device("cpu")
 Q4_0, Q4_1, Q8_0 = (
@@ -82,10 +84,15 @@ def test_int4_kernel_equals_the_dequantized_matmul_within_bf16_rounding(batch: i
     assert int4 is not None
     w = int4.dequantize()  # [N, K] exact, fp32
     x = _random(batch, 256, seed=2)
-    y = QuantLinear(int4, CPU)(x)
+    layer = QuantLinear(int4, CPU)
+    y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (batch, 96)
     ref = x @ w.T
-    assert bool(((y - ref).abs() <= _matmul_bound(x, w, ref)).all())
+    if layer.vnni:  # two int8 digits per input, against bf16 scales and zeros
+        bound = int8_input_bound(x, _stored_int4(int4)) + 2 * BF16_EPS * (x.abs() @ w.abs().T)
+    else:
+        bound = _matmul_bound(x, w, ref)
+    assert bool(((y - ref).abs() <= bound).all())
 
 
 def test_int8_kernel_equals_the_dequantized_matmul_within_bf16_rounding() -> None:

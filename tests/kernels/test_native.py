@@ -14,6 +14,7 @@ import torch
 
 from kernels import native, reference
 from kernels.metadata import AttentionMetadata
+from tests.quant_bounds import int8_input_bound
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler on this machine")
 REPO = Path(__file__).resolve().parents[2]
@@ -230,3 +231,59 @@ def test_rms_norm_matches_torchs_in_fp32(shape: tuple[int, ...]) -> None:
     assert got.shape == x.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="rms_norm"):
         native.rms_norm(x.double(), weight, 1e-5)
+
+
+needs_vnni = pytest.mark.skipif(not native.has_vnni(), reason="built without AVX512-VNNI")
+
+
+def _int4_values(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15 and (scale, zero) pairs [K/32, N, 2] bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return q, torch.randn(k // 32, n, 2, generator=gen).to(torch.bfloat16)
+
+
+# One tile, several, and the default model's shapes.
+@needs_vnni
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 96), (960, 576), (576, 1536)])
+def test_the_vnni_layout_holds_the_same_weights_as_torchs(n: int, k: int) -> None:
+    q, pairs = _int4_values(n, k, seed=n + k)
+    torch_layout = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    vnni = native.pack_int4_vnni(q)
+    assert vnni.shape == torch_layout.shape == (n, k // 2)
+    if n % 64 == 0:  # torch's dequantizer takes whole tiles of 64
+        want = native.dequantize_int4(torch_layout, pairs, torch.empty(k, n), (0, n))
+    else:
+        scale, zero = pairs.float().unbind(-1)  # [K/32, N]
+        w = (q.float() - 8).view(n, k // 32, 32) * scale.t()[..., None] + zero.t()[..., None]
+        want = w.view(n, k)
+    got = native.dequantize_int4_vnni(vnni, pairs, torch.empty(k, n), (0, n))
+    assert torch.equal(got, want)
+    block = native.dequantize_int4_vnni(vnni, pairs, torch.empty(k, 16), (n - 16, n))
+    assert torch.equal(block, want[n - 16 :])
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_the_vnni_product_is_within_its_two_digit_input_rounding(rows: int) -> None:
+    q, pairs = _int4_values(192, 96, seed=rows)
+    vnni = native.pack_int4_vnni(q)
+    w = native.dequantize_int4_vnni(vnni, pairs, torch.empty(96, 192), (0, 192))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # a group of zeros: step 0, nothing divided by it
+    y = native.int4_vnni_gemv(x, vnni, pairs)
+    want = x.double() @ w.double().T
+    bound = int8_input_bound(x, w)
+    assert y.shape == (rows, 192) and bool(((y.double() - want).abs() <= bound).all())
+    assert not torch.equal(y, want.float())  # the inputs were rounded: not the fp32 product
+    with pytest.raises(ValueError, match="VNNI layout"):
+        native.pack_int4_vnni(torch.zeros(24, 32, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_int8_product_split_over_two_threads_is_the_same_product(threads: int) -> None:
+    gen = torch.Generator().manual_seed(threads)
+    q = torch.randint(-127, 128, (1000, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(1000, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(native.int8_gemv(x, q, scales, threads), native.int8_gemv(x, q, scales))

@@ -1,0 +1,130 @@
+"""The native decoder stack: a decode step's layers in one call (model.native_decoder_stack),
+against the same layers op by op, on one and two threads, and where it must not run."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import native
+from service.engine.loader import LoadedModel, load_model
+from service.engine.quant import INT4
+from service.engine.runner import ModelRunner, StepInputs
+from tests.engine.conftest import EngineFactory
+from tests.engine.greedy import greedy, run
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    native.library() is None or not native.has_vnni(), reason="no AVX512-VNNI library here"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(tiny_model_dir, torch.float32, CPU, weight_dtype=INT4)
+
+
+Forward = Callable[[StepInputs], torch.Tensor]
+
+
+def _compare_paths(runner: ModelRunner, seen: list[tuple[int, float, bool]]) -> Forward:
+    """A forward that runs each native decode step both ways on the same inputs (op by op
+    first; the stack then writes the same slots again) and records (rows, the largest
+    difference relative to the largest |hidden|, whether two threads gave the same bits)."""
+    forward = runner.forward
+    stack = runner.decoder_stack
+    assert stack is not None
+
+    def both(inputs: StepInputs) -> torch.Tensor:
+        if not inputs.native_decode:
+            return forward(inputs)
+        inputs.native_decode = False
+        inputs.plan = runner.backend.plan(inputs.meta)
+        op_by_op = forward(inputs).clone()
+        inputs.native_decode = True
+        stack.threads = 1
+        one = forward(inputs).clone()
+        stack.threads = 2
+        two = forward(inputs)
+        rel = float((one - op_by_op).abs().max() / op_by_op.abs().max())
+        seen.append((inputs.meta.num_seqs, rel, torch.equal(one, two)))
+        return two
+
+    return both
+
+
+def test_decode_steps_run_the_stack_and_match_the_layers_op_by_op(
+    make_engine: EngineFactory, tiny_int4: LoadedModel
+) -> None:
+    engine = make_engine(loaded=tiny_int4)
+    runner = engine.runner
+    assert runner.decoder_stack is not None
+    seen: list[tuple[int, float, bool]] = []
+    runner.forward = _compare_paths(runner, seen)  # type: ignore[method-assign]
+    prompts = {f"r{i}": [(7 * i + j) % 400 + 17 for j in range(5 + 9 * i)] for i in range(5)}
+    run(engine, prompts, greedy(12), join_at={"r3": 4, "r4": 7})
+    assert {rows for rows, _, _ in seen} >= {1, 3, 5}  # one sequence, and several
+    # The same arithmetic but for fp32 roundings (and the inputs' int8 digits, which one of
+    # them can flip: a step of max|x| / 32258 in one input).
+    assert max(rel for _, rel, _ in seen) < 1e-3  # a 1% change in SiLU: 4e-2
+    assert all(same for _, _, same in seen)  # the helper thread changes no bit
+
+
+def test_the_stack_writes_the_cache_the_layers_would(
+    make_engine: EngineFactory, tiny_int4: LoadedModel
+) -> None:
+    native_engine = make_engine(loaded=tiny_int4)
+    torch_engine = make_engine(loaded=tiny_int4)
+    torch_engine.runner.decoder_stack = None  # every step op by op
+    prompt = {"r": list(range(40, 75))}
+    got = run(native_engine, prompt, greedy(10))
+    want = run(torch_engine, prompt, greedy(10))
+    assert got["r"].token_ids == want["r"].token_ids
+    pools = native_engine.runner.device_pool, torch_engine.runner.device_pool
+    assert torch.allclose(*pools, rtol=1e-3, atol=1e-4)  # the decode steps' K/V too
+
+
+def test_a_write_slot_outside_the_pool_is_refused_before_any_write(
+    make_engine: EngineFactory, tiny_int4: LoadedModel
+) -> None:
+    engine = make_engine(loaded=tiny_int4)
+    runner = engine.runner
+    stack = runner.decoder_stack
+    assert stack is not None
+    forward = runner.forward
+    refused: list[bool] = []
+
+    def with_a_bad_slot_first(inputs: StepInputs) -> torch.Tensor:
+        if inputs.native_decode:
+            outside = runner.device_pool.shape[2] * runner.block_size
+            bad = dataclasses.replace(inputs.meta, slot_mapping=torch.tensor([outside]))
+            before = runner.device_pool.clone()
+            x = torch.zeros(1, tiny_int4.args.hidden_size)
+            cos = torch.zeros(1, tiny_int4.args.head_dim)
+            with pytest.raises(ValueError, match="outside the KV pool"):
+                stack(x, cos, cos, bad)
+            refused.append(torch.equal(runner.device_pool, before))
+        return forward(inputs)
+
+    runner.forward = with_a_bad_slot_first  # type: ignore[method-assign]
+    run(engine, {"r": list(range(20, 30))}, greedy(3))
+    assert refused and all(refused)  # refused, and nothing written
+
+
+def test_no_stack_where_its_kernels_do_not_apply(
+    make_engine: EngineFactory, tiny_model: LoadedModel, tiny_int4: LoadedModel
+) -> None:
+    assert make_engine(loaded=tiny_model).runner.decoder_stack is None  # fp32 weights
+    bf16_cache = tiny_int4.model.native_decoder_stack(
+        [(torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16),) * 2] * tiny_int4.args.num_layers
+    )
+    assert bf16_cache is None
+    engine = make_engine(loaded=tiny_int4)
+    assert engine.runner.decoder_stack is not None
+    prefill = engine.runner._runs_natively([5])
+    decode = engine.runner._runs_natively([1, 1])
+    assert (prefill, decode) == (False, True)
