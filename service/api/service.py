@@ -165,11 +165,14 @@ class ChatService:
         self.lag.start()
         limits, precision = engine.limits, engine.precision
         log.info(
-            "pagechat: model %s (%s weights, %s activations), %d device + %d CPU KV blocks of "
-            "%d tokens, Redis %s",
+            "pagechat: model %s (%s weights, %s activations, decode steps %s), %d device + %d"
+            " CPU KV blocks of %d tokens, Redis %s",
             engine.model_id,
             precision.weights,
             precision.activation_dtype,
+            f"native on {precision.decode_threads} threads"
+            if precision.decode_threads
+            else "op by op",
             limits.num_device_blocks,
             limits.num_cpu_blocks,
             limits.block_size,

@@ -119,6 +119,7 @@ class Stats(msgspec.Struct, kw_only=True):
     weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
     weight_dtype: str  # the dense matmul weights' (what --dtype auto chose, or was told)
     activation_dtype: str  # the activations' and the KV cache's
+    decode_threads: int  # the native decode stack's threads; 0: decode steps run op by op
     kv: KVStats
     prefix_cache: PrefixCacheStats
     swaps: SwapStats
@@ -142,6 +143,7 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
         weights=engine.precision.weights,
         weight_dtype=engine.precision.weight_dtype,
         activation_dtype=engine.precision.activation_dtype,
+        decode_threads=engine.precision.decode_threads,
         kv=KVStats(block_size=engine.limits.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
         prefix_cache=PrefixCacheStats(
             queries=b.prefix_queries,

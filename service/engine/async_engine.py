@@ -121,6 +121,7 @@ class AsyncEngine:
             weights=engine.runner.model.weights_name,
             weight_dtype=dtype_name(engine.weight_dtype),
             activation_dtype=dtype_name(engine.activation_dtype),
+            decode_threads=engine.runner.native_decode_threads,
         )
 
     @property

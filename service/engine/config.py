@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,10 +144,11 @@ class EngineConfig:
         " 1 leaves a core for the event loop",
     )
     decode_threads: int = setting(
-        1,
-        "threads of the native decode stack (one or two): small decode steps of an int4 model"
-        " on the CPU run every layer in one native call, its projections split with a helper"
-        " thread at 2 (kernels/native.c, pagechat_decode_layers)",
+        2,
+        "threads of the native decode stack, 1 or 2 (capped at the CPUs the process may run"
+        " on): decode steps of an int4 model on a CPU with AVX512-VNNI run every layer in one"
+        " native call, each projection, the attention rows and the LM head split with a"
+        " helper thread at 2 (kernels/native.c, pagechat_decode_layers)",
     )
     cuda_graphs: bool = setting(
         True,
@@ -185,6 +187,15 @@ class EngineConfig:
             self.preemption_mode = PreemptionMode(self.preemption_mode)
         if isinstance(self.allocation, str):
             self.allocation = AllocationMode(self.allocation)
+
+    def native_threads(self) -> int:
+        """`decode_threads`, capped at the CPUs this process may run on: on one CPU a
+        helper thread would only take turns with the thread waiting for it."""
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
+        return min(self.decode_threads, cpus)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

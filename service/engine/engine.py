@@ -212,7 +212,7 @@ class LLMEngine:
             dtype=dtype,
             backend=get_backend(config.attention_backend, device),
             kv_tier=self.kv_tier,
-            decode_threads=config.decode_threads,
+            decode_threads=config.native_threads(),
         )
         # Pure decode steps replay CUDA graphs where they can; every other step the runner.
         self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)

@@ -128,6 +128,11 @@ class ModelRunner:
         # about as much as the layer's packed matmuls.
         self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
         self.decode_threads = decode_threads  # the LM head's native GEMV splits with it too
+
+    @property
+    def native_decode_threads(self) -> int:
+        """The native stack's threads; 0 where decode steps run op by op."""
+        return 0 if self.decoder_stack is None else self.decoder_stack.threads
         self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
 
     @staticmethod

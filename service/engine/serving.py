@@ -43,6 +43,9 @@ class EnginePrecision:
     weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
     weight_dtype: str  # the dense matmul weights' dtype ("bfloat16")
     activation_dtype: str  # the activations' and the KV cache's
+    # Threads of the native decode stack (decode steps' layers in one native call); 0 where
+    # decode steps run op by op.
+    decode_threads: int = 0
 
 
 class ServingEngine(Protocol):

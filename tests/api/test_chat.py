@@ -421,6 +421,7 @@ async def test_health_stats_and_metrics(server: ServerProcess) -> None:
     assert status == 200 and b'"ok"' in body
     stats = await server.astats()
     assert (stats["weight_dtype"], stats["activation_dtype"]) == (DTYPE, DTYPE)
+    assert stats["decode_threads"] == 0  # dense weights: decode steps run op by op
     assert stats["kv"]["device"]["total"] == 64 and stats["kv"]["cpu"]["total"] == 512
     assert stats["prefix_cache"]["queries"] > 0
     assert stats["event_loop_lag"]["samples"] > 0
