@@ -244,22 +244,24 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* One sequence's decode attention: o [Hq, D] from qb [Hq, D] over the len context slots
-   ctx (cache rows of num_kv_heads * head_dim floats); scores holds Hq * len floats. */
+/* One sequence's decode attention for query heads [h_begin, h_end): o [Hq, D] from qb [Hq, D]
+   over the len context slots ctx (cache rows of num_kv_heads * head_dim floats); scores
+   holds Hq * len floats. */
 static void attend_row(const float *qb, const float *k_cache, const float *v_cache,
                        const int64_t *ctx, int64_t len, float *scores, float *o,
-                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale) {
+                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                       int64_t h_begin, int64_t h_end) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per cache slot */
     /* scores[hq * len + c]; a slot's K (and later V) rows for every head are read together,
        front to back: the context streams through once, not once per head. */
     for (int64_t c = 0; c < len; c++) {
         const float *k = k_cache + ctx[c] * row;
-        for (int64_t hq = 0; hq < num_q_heads; hq++)
+        for (int64_t hq = h_begin; hq < h_end; hq++)
             scores[hq * len + c] =
                 scale * dot_f32(qb + hq * head_dim, k + (hq / group) * head_dim, head_dim);
     }
-    for (int64_t hq = 0; hq < num_q_heads; hq++) {
+    for (int64_t hq = h_begin; hq < h_end; hq++) {
         float *s = scores + hq * len;
         float peak = -INFINITY, total = 0.0f;
         for (int64_t c = 0; c < len; c++) peak = s[c] > peak ? s[c] : peak;
@@ -268,10 +270,10 @@ static void attend_row(const float *qb, const float *k_cache, const float *v_cac
         const float inv = 1.0f / total;
         for (int64_t c = 0; c < len; c++) s[c] *= inv;
     }
-    for (int64_t i = 0; i < num_q_heads * head_dim; i++) o[i] = 0.0f;
+    for (int64_t i = h_begin * head_dim; i < h_end * head_dim; i++) o[i] = 0.0f;
     for (int64_t c = 0; c < len; c++) {
         const float *v = v_cache + ctx[c] * row;
-        for (int64_t hq = 0; hq < num_q_heads; hq++) {
+        for (int64_t hq = h_begin; hq < h_end; hq++) {
             const float p = scores[hq * len + c];
             const float *vh = v + (hq / group) * head_dim;
             float *oh = o + hq * head_dim;
@@ -289,7 +291,7 @@ int pagechat_paged_decode(const float *q, const float *k_cache, const float *v_c
     for (int64_t b = b_begin; b < b_end; b++) {
         const int64_t offset = b * num_q_heads * head_dim;
         attend_row(q + offset, k_cache, v_cache, slots + b * max_context, seq_lens[b], scores,
-                   out + offset, num_q_heads, num_kv_heads, head_dim, scale);
+                   out + offset, num_q_heads, num_kv_heads, head_dim, scale, 0, num_q_heads);
     }
     free(scores);
     return 0;
@@ -591,7 +593,12 @@ typedef struct {
     float rms_norm_eps, scale;
 } pagechat_decoder_shape;
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+/* g / (1 + exp(-g)) through exp_nonpositive (so that the loop vectorizes): with
+   e = exp(-|g|), g / (1 + e) for g >= 0 and g e / (1 + e) below. */
+static inline float silu(float g) {
+    const float e = exp_nonpositive(g < 0.0f ? g : -g);
+    return (g < 0.0f ? g * e : g) / (1.0f + e);
+}
 
 static inline int64_t now_ns(void) {
     struct timespec t;
@@ -622,7 +629,7 @@ typedef struct {
    attention. */
 typedef struct {
     int bits;           /* 4: int4_vnni_tiles over quantized inputs; 8: pagechat_int8_gemv;
-                           0: attention */
+                           0: attention rows; 1: row 0's attention heads */
     quantized_rows xq;  /* int4's input */
     const float *x;     /* int8's input */
     int64_t m, n, k, n_begin, n_end;
@@ -632,12 +639,16 @@ typedef struct {
     attention_rows attention;
 } gemv_part;
 
-static void attend_rows(const attention_rows *a, int64_t begin, int64_t end) {
+/* Rows [begin, end) of the batch, every head; or, where `one_row` is set, row 0's query
+   heads [begin, end) (a batch of one splits its heads between the threads). */
+static void attend_rows(const attention_rows *a, int64_t begin, int64_t end, int one_row) {
     const int64_t q_size = a->num_q_heads * a->head_dim;
-    for (int64_t r = begin; r < end; r++)
+    const int64_t first = one_row ? 0 : begin, last = one_row ? 1 : end;
+    for (int64_t r = first; r < last; r++)
         attend_row(a->qkv + r * a->qkv_size, a->k_cache, a->v_cache, a->slots + r * a->max_context,
                    a->seq_lens[r], a->scores, a->out + r * q_size, a->num_q_heads,
-                   a->num_kv_heads, a->head_dim, a->scale);
+                   a->num_kv_heads, a->head_dim, a->scale, one_row ? begin : 0,
+                   one_row ? end : a->num_q_heads);
 }
 
 static struct {
@@ -659,8 +670,8 @@ static inline void cpu_relax(void) {
 }
 
 static void run_part(const gemv_part *p) {
-    if (p->bits == 0)
-        attend_rows(&p->attention, p->n_begin, p->n_end);
+    if (p->bits == 0 || p->bits == 1)
+        attend_rows(&p->attention, p->n_begin, p->n_end, p->bits == 1);
     else if (p->bits == 4)
         int4_vnni_tiles(p->xq, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin, p->n_end);
     else
@@ -832,14 +843,15 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
         const attention_rows rows = {qkv,  layer->k_cache, layer->v_cache, slots,
                                      seq_lens, attn, scores, qkv_size, max_context, hq,
                                      hkv,  d,    shape->scale};
-        if (split && m > 1) {
-            /* each thread its own rows, and its own scores */
-            gemv_part part = {.bits = 0, .m = m, .n = m, .n_begin = 0, .n_end = m};
+        if (split) {
+            /* each thread its own rows (or a lone row's heads), and its own scores */
+            const int64_t units = m > 1 ? m : hq;
+            gemv_part part = {.bits = m > 1 ? 0 : 1, .m = m, .n = units, .n_end = units};
             part.attention = rows;
             part.attention.scores = scores + hq * max_context;
-            run_split(part, (m + 1) / 2, scores);
+            run_split(part, (units + 1) / 2, scores);
         } else {
-            attend_rows(&rows, 0, m);
+            attend_rows(&rows, 0, m, 0);
         }
         project(attn, m, layer->packed[1], layer->pairs[1], proj, h, q_size, split, quantized, matmul_ns);
         for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];

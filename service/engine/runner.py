@@ -123,17 +123,17 @@ class ModelRunner:
         # Views into the device pool, taken once: indexing the pool per layer and step cost
         # four ops on the decode hot path. The pool is written in place, never replaced.
         self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
-        # Small decode steps run every layer in one native call where the model can
+        # Decode steps run every layer in one native call where the model can
         # (model.native_decoder_stack): at one row, the torch path's ~25 ops a layer cost
         # about as much as the layer's packed matmuls.
         self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
+        self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
         self.decode_threads = decode_threads  # the LM head's native GEMV splits with it too
 
     @property
     def native_decode_threads(self) -> int:
         """The native stack's threads; 0 where decode steps run op by op."""
         return 0 if self.decoder_stack is None else self.decoder_stack.threads
-        self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
 
     @staticmethod
     def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
