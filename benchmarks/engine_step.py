@@ -10,6 +10,7 @@ every format in turn, so a neighbour's load on a shared machine falls on all of 
 
     .venv/bin/python -m benchmarks.engine_step [--weights fp32 bf16 int8 int4]
         [--batch 1 4 8 32 64] [--steps 20] [--dtype auto] [--threads 1 2]
+        [--decode-threads 1 2]
 
 With --synthetic SHAPE... the models are benchmarks/synthetic.py's, random weights of real
 shapes built on the device (bf16 on CUDA), and each shape runs with CUDA graphs on and off
@@ -30,6 +31,7 @@ import argparse
 import ctypes
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import random
@@ -189,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[1],
         help="torch thread counts, each format run with each, side by side",
     )
+    parser.add_argument(
+        "--decode-threads",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="the native decode stack's threads (int4 on AVX512-VNNI), each run side by side",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     synthetic = parser.add_argument_group("synthetic models (benchmarks/synthetic.py)")
     synthetic.add_argument("--synthetic", nargs="+", metavar="SHAPE", help="random-weight shapes")
@@ -200,20 +209,24 @@ def main(argv: list[str] | None = None) -> int:
         return synthetic_main(args)
 
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
-    for weights in args.weights:
-        for threads in args.threads:
-            config = EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                weights=weights,
-                max_num_seqs=max(args.batch),
-                max_model_len=1024,
-                kv_cache_mb=args.kv_cache_mb,
-                num_threads=threads,
-            )
-            engine = LLMEngine(config)  # its crossover trial runs at `threads`
-            name = weights if len(args.threads) == 1 else f"{weights} {threads}t"
-            engines[name] = (engine, MatmulClock(engine.runner.model, engine.runner.decoder_stack))
+    for weights, threads, decode_threads in itertools.product(
+        args.weights, args.threads, args.decode_threads
+    ):
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            weights=weights,
+            max_num_seqs=max(args.batch),
+            max_model_len=1024,
+            kv_cache_mb=args.kv_cache_mb,
+            num_threads=threads,
+            decode_threads=decode_threads,
+        )
+        engine = LLMEngine(config)  # its crossover trial runs at `threads`
+        name = weights if len(args.threads) == 1 else f"{weights} {threads}t"
+        if len(args.decode_threads) > 1:
+            name += f" stack {engine.runner.native_decode_threads}t"
+        engines[name] = (engine, MatmulClock(engine.runner.model, engine.runner.decoder_stack))
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in engines}
     for b in args.batch:
         for name, (engine, clock) in engines.items():
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(engines.values()))[0]
     print(
         f"engine_step: {first.model_id}, {dtype_name(first.activation_dtype)} activations, "
-        f"torch threads {' and '.join(map(str, args.threads))}, {args.steps} decode steps, "
+        f"torch threads {' and '.join(map(str, args.threads))}, decode stack threads "
+        f"{' and '.join(map(str, args.decode_threads))}, {args.steps} decode steps, "
         f"~{args.prompt_len}-token prompts"
     )
     for weights, (engine, _) in engines.items():

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 static inline float bf16_to_float(uint16_t b) {
@@ -669,6 +670,17 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* A spin-wait's n-th turn: pause, and past ~20 us (a projection's half takes 10-100) yield
+   the core, so that a third thread (the server's event loop) waiting for one runs now
+   instead of at the end of our time slice, while this one has nothing to do. */
+#define SPINS_BEFORE_YIELD 4096
+static inline void spin_turn(unsigned *spins) {
+    if (++*spins < SPINS_BEFORE_YIELD)
+        cpu_relax();
+    else
+        sched_yield();
+}
+
 static void run_part(const gemv_part *p) {
     if (p->bits == 0 || p->bits == 1)
         attend_rows(&p->attention, p->n_begin, p->n_end, p->bits == 1);
@@ -690,16 +702,19 @@ static void run_split(gemv_part part, int64_t middle, float *scratch) {
     helper.part = part;
     const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
     run_part(&mine);
-    while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket) cpu_relax();
+    unsigned spins = 0;
+    while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket)
+        spin_turn(&spins);
 }
 
 static void *helper_main(void *unused) {
     (void)unused;
     unsigned seen = 0;
     for (;;) {
+        unsigned spins = 0;
         while (atomic_load_explicit(&helper.posted, memory_order_acquire) == seen) {
             if (atomic_load_explicit(&helper.stepping, memory_order_acquire)) {
-                cpu_relax();
+                spin_turn(&spins);
                 continue;
             }
             pthread_mutex_lock(&helper.lock);
