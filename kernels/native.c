@@ -729,9 +729,26 @@ static void *helper_main(void *unused) {
     return NULL;
 }
 
+/* A forked child has no helper thread (fork copies only the caller): it starts its own on
+   its first split call, from a reset state, instead of spinning for one that is not there. */
+static void helper_after_fork(void) {
+    pthread_mutex_init(&helper.lock, NULL);
+    pthread_cond_init(&helper.wake, NULL);
+    pthread_mutex_init(&helper.owner, NULL);
+    helper.started = 0;
+    atomic_store(&helper.stepping, 0);
+    atomic_store(&helper.posted, 0);
+    atomic_store(&helper.finished, 0);
+}
+
+static pthread_once_t helper_fork_hook = PTHREAD_ONCE_INIT;
+
+static void helper_register_fork_hook(void) { pthread_atfork(NULL, NULL, helper_after_fork); }
+
 /* Takes the helper for one stack call: 1 if it is ours (started and spinning), 0 where it
    could not start or another call holds it (then the call runs on one thread). */
 static int helper_take(void) {
+    pthread_once(&helper_fork_hook, helper_register_fork_hook);
     if (pthread_mutex_trylock(&helper.owner)) return 0;
     pthread_mutex_lock(&helper.lock);
     if (!helper.started) {

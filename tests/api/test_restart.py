@@ -39,7 +39,9 @@ async def expect_shutdown(chat: ChatClient) -> None:
 async def test_shutdown_drains_and_a_restart_resumes_with_recomputed_history(
     tmp_path: Path,
 ) -> None:
-    args = ("--data-dir", str(tmp_path / "data"), "--drain-timeout-s", "4")
+    # The long answer must outlast the drain: 900 tokens in 2 s would take 450 tokens/s for
+    # one stream (400 in 4 s, the earlier figures, finished on the native decode stack).
+    args = ("--data-dir", str(tmp_path / "data"), "--drain-timeout-s", "2")
     args += ("--kv-cache-mb", "32", "--swap-space-mb", "32", "--max-model-len", "1024")
     first = start_server(tmp_path / "first.log", *args)
     try:
@@ -48,7 +50,7 @@ async def test_shutdown_drains_and_a_restart_resumes_with_recomputed_history(
         short_session = await short.open()
         long_session = await long.open(system="You count.")
         one = await long.ask("Name a colour.", max_tokens=6, **GREEDY)
-        await long.send_user("Count to one hundred.", max_tokens=400, ignore_eos=True, **GREEDY)
+        await long.send_user("Count to one hundred.", max_tokens=900, ignore_eos=True, **GREEDY)
         long_start = await long.receive()
         await short.send_user("Say yes.", max_tokens=10, ignore_eos=True, **GREEDY)
         short_start = await short.receive()
@@ -66,7 +68,7 @@ async def test_shutdown_drains_and_a_restart_resumes_with_recomputed_history(
         assert short_answer.finish_reason == "length"  # finished within the drain timeout
         assert short_answer.usage.completion_tokens == 10
         assert long_answer.finish_reason == "shutdown"  # cut at the drain timeout
-        assert 0 < long_answer.usage.completion_tokens < 400
+        assert 0 < long_answer.usage.completion_tokens < 900
         await asyncio.gather(expect_shutdown(short), expect_shutdown(long))
         assert await asyncio.to_thread(first.proc.wait, 60) == 0, first.log()
     finally:

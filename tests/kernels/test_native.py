@@ -3,6 +3,7 @@ decode attention in place, and the library's build."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -287,3 +288,25 @@ def test_the_int8_product_split_over_two_threads_is_the_same_product(threads: in
     scales = torch.rand(1000, generator=gen).to(torch.bfloat16)
     x = torch.randn(3, 64, generator=gen)
     assert torch.equal(native.int8_gemv(x, q, scales, threads), native.int8_gemv(x, q, scales))
+
+
+def _split_product_in_a_child(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (256, 64), generator=gen, dtype=torch.int8)
+    scales = torch.rand(256, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 64, generator=gen)
+    queue.put(torch.equal(native.int8_gemv(x, q, scales, 2), native.int8_gemv(x, q, scales)))
+
+
+def test_a_forked_child_starts_its_own_helper_thread() -> None:
+    # The parent's helper is running (a split call); the child has none until it starts one.
+    test_the_int8_product_split_over_two_threads_is_the_same_product(2)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_split_product_in_a_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in the split call")
+    assert child.exitcode == 0 and queue.get(timeout=5) is True
