@@ -247,11 +247,12 @@ static inline float exp_nonpositive(float x) {
 
 /* One sequence's decode attention for query heads [h_begin, h_end): o [Hq, D] from qb [Hq, D]
    over the len context slots ctx (cache rows of num_kv_heads * head_dim floats); scores
-   holds Hq * len floats. */
+   holds Hq * len floats. Where peaks is set, each head's largest score and its softmax's
+   sum go to peaks[hq] and totals[hq] (a part of the context, merged by merge_ranges). */
 static void attend_row(const float *qb, const float *k_cache, const float *v_cache,
                        const int64_t *ctx, int64_t len, float *scores, float *o,
                        int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                       int64_t h_begin, int64_t h_end) {
+                       int64_t h_begin, int64_t h_end, float *peaks, float *totals) {
     const int64_t group = num_q_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per cache slot */
     /* scores[hq * len + c]; a slot's K (and later V) rows for every head are read together,
@@ -268,6 +269,7 @@ static void attend_row(const float *qb, const float *k_cache, const float *v_cac
         for (int64_t c = 0; c < len; c++) peak = s[c] > peak ? s[c] : peak;
         for (int64_t c = 0; c < len; c++) s[c] = exp_nonpositive(s[c] - peak);
         for (int64_t c = 0; c < len; c++) total += s[c];
+        if (peaks) peaks[hq] = peak, totals[hq] = total; /* to merge with another range's */
         const float inv = 1.0f / total;
         for (int64_t c = 0; c < len; c++) s[c] *= inv;
     }
@@ -292,7 +294,8 @@ int pagechat_paged_decode(const float *q, const float *k_cache, const float *v_c
     for (int64_t b = b_begin; b < b_end; b++) {
         const int64_t offset = b * num_q_heads * head_dim;
         attend_row(q + offset, k_cache, v_cache, slots + b * max_context, seq_lens[b], scores,
-                   out + offset, num_q_heads, num_kv_heads, head_dim, scale, 0, num_q_heads);
+                   out + offset, num_q_heads, num_kv_heads, head_dim, scale, 0, num_q_heads,
+                   NULL, NULL);
     }
     free(scores);
     return 0;
@@ -624,13 +627,14 @@ typedef struct {
     float *scores; /* this thread's: num_q_heads * max_context */
     int64_t qkv_size, max_context, num_q_heads, num_kv_heads, head_dim;
     float scale;
+    float *peaks, *totals; /* this thread's [num_q_heads], for a lone row's context range */
 } attention_rows;
 
 /* Work for the helper: rows [n_begin, n_end) of a GEMV's output, or of the batch's
    attention. */
 typedef struct {
     int bits;           /* 4: int4_vnni_tiles over quantized inputs; 8: pagechat_int8_gemv;
-                           0: attention rows; 1: row 0's attention heads */
+                           0: attention rows; 1: row 0's attention over a context range */
     quantized_rows xq;  /* int4's input */
     const float *x;     /* int8's input */
     int64_t m, n, k, n_begin, n_end;
@@ -640,16 +644,37 @@ typedef struct {
     attention_rows attention;
 } gemv_part;
 
-/* Rows [begin, end) of the batch, every head; or, where `one_row` is set, row 0's query
-   heads [begin, end) (a batch of one splits its heads between the threads). */
+/* Rows [begin, end) of the batch, every head; or, where `one_row` is set, row 0's context
+   positions [begin, end) (a batch of one splits its context between the threads, each
+   reading half the cache: merge_ranges joins the halves). */
 static void attend_rows(const attention_rows *a, int64_t begin, int64_t end, int one_row) {
     const int64_t q_size = a->num_q_heads * a->head_dim;
-    const int64_t first = one_row ? 0 : begin, last = one_row ? 1 : end;
-    for (int64_t r = first; r < last; r++)
+    if (one_row) {
+        attend_row(a->qkv, a->k_cache, a->v_cache, a->slots + begin, end - begin, a->scores,
+                   a->out, a->num_q_heads, a->num_kv_heads, a->head_dim, a->scale, 0,
+                   a->num_q_heads, a->peaks, a->totals);
+        return;
+    }
+    for (int64_t r = begin; r < end; r++)
         attend_row(a->qkv + r * a->qkv_size, a->k_cache, a->v_cache, a->slots + r * a->max_context,
                    a->seq_lens[r], a->scores, a->out + r * q_size, a->num_q_heads,
-                   a->num_kv_heads, a->head_dim, a->scale, one_row ? begin : 0,
-                   one_row ? end : a->num_q_heads);
+                   a->num_kv_heads, a->head_dim, a->scale, 0, a->num_q_heads, NULL, NULL);
+}
+
+/* out = the softmax over both ranges: each range's output is normalized by its own total,
+   so out = (w1 o1 + w2 o2) / (w1 + w2) with w = total * exp(peak - the larger peak). */
+static void merge_ranges(float *out, const float *other, const float *peaks, const float *totals,
+                         const float *other_peaks, const float *other_totals, int64_t num_heads,
+                         int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float top = peaks[h] > other_peaks[h] ? peaks[h] : other_peaks[h];
+        const float w1 = totals[h] * expf(peaks[h] - top);
+        const float w2 = other_totals[h] * expf(other_peaks[h] - top);
+        const float inv = 1.0f / (w1 + w2);
+        float *o = out + h * head_dim;
+        const float *p = other + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) o[i] = (w1 * o[i] + w2 * p[i]) * inv;
+    }
 }
 
 static struct {
@@ -691,20 +716,22 @@ static void run_part(const gemv_part *p) {
                            p->n_end);
 }
 
-/* Runs `part` split at `middle`: the helper takes rows [middle, n_end), the caller
-   [n_begin, middle), with `scratch` in place of the part's attention scores (each thread
-   needs its own). */
-static void run_split(gemv_part part, int64_t middle, float *scratch) {
-    gemv_part mine = part;
-    mine.n_end = middle;
-    mine.attention.scores = scratch;
-    part.n_begin = middle;
-    helper.part = part;
+/* Runs `theirs` on the helper and `mine` on the calling thread, and waits for both. */
+static void run_split(const gemv_part *theirs, const gemv_part *mine) {
+    helper.part = *theirs;
     const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
-    run_part(&mine);
+    run_part(mine);
     unsigned spins = 0;
     while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket)
         spin_turn(&spins);
+}
+
+/* `part` with the helper taking rows [middle, n_end) and the caller the rest. */
+static void run_halves(const gemv_part *part, int64_t middle) {
+    gemv_part theirs = *part, mine = *part;
+    theirs.n_begin = middle;
+    mine.n_end = middle;
+    run_split(&theirs, &mine);
 }
 
 static void *helper_main(void *unused) {
@@ -786,7 +813,7 @@ static inline void project(const float *x, int64_t m, const uint8_t *packed,
     if (split) {
         const gemv_part part = {.bits = 4, .xq = q, .m = m, .n = n, .k = k, .n_end = n,
                                 .weight = packed, .scales = pairs, .y = y};
-        run_split(part, (n / 16 + 1) / 2 * 16, NULL); /* the caller's half: the larger */
+        run_halves(&part, (n / 16 + 1) / 2 * 16); /* the caller's half: the larger */
     } else {
         int4_vnni_tiles(q, m, packed, pairs, y, n, k, 0, n);
     }
@@ -804,7 +831,7 @@ void pagechat_int8_gemv_threads(const float *x, int64_t m, const int8_t *q,
     if (threads > 1 && helper_take()) {
         const gemv_part part = {.bits = 8, .x = x, .m = m, .n = n, .k = k, .n_end = n,
                                 .weight = q, .scales = scales, .y = y};
-        run_split(part, n / 2, NULL);
+        run_halves(&part, n / 2);
         helper_release();
         return;
     }
@@ -812,6 +839,8 @@ void pagechat_int8_gemv_threads(const float *x, int64_t m, const int8_t *q,
     (void)threads;
     pagechat_int8_gemv(x, m, q, scales, y, n, k, 0, n);
 }
+
+#define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
 
 int pagechat_decode_layers(const pagechat_decoder_layer *layers,
                            const pagechat_decoder_shape *shape, float *x, int64_t m,
@@ -835,7 +864,8 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
     for (int64_t r = 0; r < m; r++) max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
     /* each row's context slots, from its block table: once a step, read by every layer */
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context));
-    float *work = malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + d));
+    float *work =
+        malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + d + 4 * hq + q_size));
     const int64_t widest = inter > h ? (inter > q_size ? inter : q_size) : (h > q_size ? h : q_size);
     void *quantized = malloc(quantized_bytes(m, widest));
     if (work == NULL || slots == NULL || quantized == NULL) {
@@ -853,6 +883,8 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
     float *gate_up = attn + m * q_size, *proj = gate_up + m * 2 * inter;
     /* two threads' scores, then one head's rotation */
     float *scores = proj + m * h, *rotated = scores + 2 * hq * max_context;
+    /* a lone row's context halves: both threads' peaks and totals, the helper's output */
+    float *halves = rotated + d;
     const int split = threads > 1 && helper_take();
     for (int64_t l = 0; l < shape->num_layers; l++) {
         const pagechat_decoder_layer *layer = layers + l;
@@ -874,14 +906,30 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
         }
         const attention_rows rows = {qkv,  layer->k_cache, layer->v_cache, slots,
                                      seq_lens, attn, scores, qkv_size, max_context, hq,
-                                     hkv,  d,    shape->scale};
-        if (split) {
-            /* each thread its own rows (or a lone row's heads), and its own scores */
-            const int64_t units = m > 1 ? m : hq;
-            gemv_part part = {.bits = m > 1 ? 0 : 1, .m = m, .n = units, .n_end = units};
-            part.attention = rows;
-            part.attention.scores = scores + hq * max_context;
-            run_split(part, (units + 1) / 2, scores);
+                                     hkv,  d,    shape->scale, NULL, NULL};
+        if (split && m > 1) {
+            /* each thread its own rows, and its own scores */
+            gemv_part part = {.bits = 0, .m = m, .n = m, .n_end = m, .attention = rows};
+            gemv_part theirs = part, mine = part;
+            theirs.n_begin = mine.n_end = (m + 1) / 2;
+            theirs.attention.scores = scores + hq * max_context;
+            run_split(&theirs, &mine);
+        } else if (split && seq_lens[0] >= 2 * MIN_CONTEXT_HALF) {
+            /* a lone sequence: each thread half its context, merged */
+            const int64_t len = seq_lens[0];
+            gemv_part mine = {.bits = 1, .m = 1, .n = len, .n_end = len / 2, .attention = rows};
+            gemv_part theirs = mine;
+            theirs.n_begin = len / 2;
+            theirs.n_end = len;
+            mine.attention.peaks = halves;
+            mine.attention.totals = halves + hq;
+            theirs.attention.peaks = halves + 2 * hq;
+            theirs.attention.totals = halves + 3 * hq;
+            theirs.attention.scores = scores + hq * max_context;
+            theirs.attention.out = halves + 4 * hq;
+            run_split(&theirs, &mine);
+            merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
+                         halves + 3 * hq, hq, d);
         } else {
             attend_rows(&rows, 0, m, 0);
         }
