@@ -571,7 +571,7 @@ void pagechat_dequant_int4_vnni(const uint8_t *packed, const uint16_t *scales_ze
 }
 
 /* A whole decode step's decoder layers in one call, for a model whose projections are all
-   int4 (torch's CPU layout) with fp32 activations and an fp32 paged cache: per layer
+   int4 (the VNNI layout) with fp32 activations and an fp32 paged cache: per layer
    RMSNorm, the fused qkv GEMV, RoPE on Q and K, K/V written to their slots, attention over
    each row's context, o_proj, the residual, RMSNorm, gate_up, SiLU(gate) * up, down, the
    residual. The same arithmetic as the torch path op for op (model.py), without its ~25
@@ -634,7 +634,8 @@ typedef struct {
    attention. */
 typedef struct {
     int bits;           /* 4: int4_vnni_tiles over quantized inputs; 8: pagechat_int8_gemv;
-                           0: attention rows; 1: row 0's attention over a context range */
+                           0: attention rows; 1: row 0's attention over a context range;
+                           3: SiLU(gate) * up over elements of the [m, intermediate] output */
     quantized_rows xq;  /* int4's input */
     const float *x;     /* int8's input */
     int64_t m, n, k, n_begin, n_end;
@@ -706,9 +707,24 @@ static inline void spin_turn(unsigned *spins) {
         sched_yield();
 }
 
+/* act[e] = SiLU(gate) * up for elements e in [begin, end) of [m, inter], from gate_up
+   [m, 2 inter] (rows [gate; up]). */
+static void gated_rows(const float *gate_up, float *act, int64_t inter, int64_t begin,
+                       int64_t end) {
+    for (int64_t r = begin / inter; r * inter < end; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *out = act + r * inter;
+        const int64_t first = begin > r * inter ? begin - r * inter : 0;
+        const int64_t last = end < (r + 1) * inter ? end - r * inter : inter;
+        for (int64_t i = first; i < last; i++) out[i] = silu(gate[i]) * up[i];
+    }
+}
+
 static void run_part(const gemv_part *p) {
     if (p->bits == 0 || p->bits == 1)
         attend_rows(&p->attention, p->n_begin, p->n_end, p->bits == 1);
+    else if (p->bits == 3)
+        gated_rows(p->x, p->y, p->k, p->n_begin, p->n_end);
     else if (p->bits == 4)
         int4_vnni_tiles(p->xq, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin, p->n_end);
     else
@@ -858,7 +874,7 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
     const int64_t q_size = hq * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
     /* per row: the normed input, qkv, the attention's output, gate_up, one projection's
        output; then the scores and one head's rotation */
-    const int64_t per_row = h + qkv_size + q_size + 2 * inter + h;
+    const int64_t per_row = h + qkv_size + q_size + 2 * inter + inter + h;
     if (qkv_size % 16 || h % 32 || (2 * inter) % 16 || q_size % 32 || inter % 32) return 2;
     int64_t max_context = 0;
     for (int64_t r = 0; r < m; r++) max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
@@ -880,7 +896,7 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
             slots[r * max_context + c] =
                 (int64_t)block_tables[r * table_width + c / block_size] * block_size + c % block_size;
     float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
-    float *gate_up = attn + m * q_size, *proj = gate_up + m * 2 * inter;
+    float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
     /* two threads' scores, then one head's rotation */
     float *scores = proj + m * h, *rotated = scores + 2 * hq * max_context;
     /* a lone row's context halves: both threads' peaks and totals, the helper's output */
@@ -938,13 +954,14 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
         pagechat_rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
         project(normed, m, layer->packed[2], layer->pairs[2], gate_up, 2 * inter, h, split,
                 quantized, matmul_ns);
-        for (int64_t r = 0; r < m; r++) {
-            float *g = gate_up + r * 2 * inter, *act = gate_up + r * inter;
-            /* in place, front to back: act[i] is written after g[i] and g[inter + i] are read,
-               and act's rows pack into the first m * inter floats for the down projection */
-            for (int64_t i = 0; i < inter; i++) act[i] = silu(g[i]) * g[inter + i];
-        }
-        project(gate_up, m, layer->packed[3], layer->pairs[3], proj, h, inter, split, quantized, matmul_ns);
+        const gemv_part gated = {.bits = 3, .x = gate_up, .m = m, .n = m * inter, .k = inter,
+                                 .n_end = m * inter, .y = act};
+        if (split)
+            run_halves(&gated, m * inter / 2);
+        else
+            run_part(&gated);
+        project(act, m, layer->packed[3], layer->pairs[3], proj, h, inter, split, quantized,
+                matmul_ns);
         for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
     }
     if (split) helper_release();
