@@ -7,8 +7,10 @@ no op for.
 - `int8_gemv`: the int8 LM head at decode with fp32 logits.
 - `paged_decode`: decode attention read in place through the paged cache (the CPU
   attention backend's decode path, kernels/backend.py).
-- `DecoderStack`: every decoder layer of a decode step in one call, for int4 models
-  (service/engine/native_decode.py).
+- `int4_vnni_gemv` / `pack_int4_vnni` / `dequantize_int4_vnni`: int4 weights in the VNNI
+  layout on CPUs with AVX512-VNNI (`has_vnni`), their input as two int8 digits per group.
+- `DecoderStack`: every decoder layer of a decode step in one call, for int4 models in the
+  VNNI layout (service/engine/model.py, `native_decoder_stack`), on one or two threads.
 
 NOTE: built with -march=native, so the library is cached under a key of the source, the
 compiler command and this CPU's feature flags: a cache directory shared between machines
@@ -290,16 +292,6 @@ def int4_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor | None:
         x.data_ptr(), m, packed.data_ptr(), pairs.data_ptr(), y.data_ptr(), n, k, 0, n
     )
     return None if declined else y
-
-
-@functools.cache
-def int4_gemv_available() -> bool:
-    """Whether the library was built with the int4 GEMV (AVX512): one 64 x 32 product."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        torch.zeros(64, 32, dtype=torch.int32), 2
-    )
-    pairs = torch.zeros(1, 64, 2, dtype=torch.bfloat16)
-    return int4_gemv(torch.zeros(1, 32), packed, pairs) is not None
 
 
 def has_vnni() -> bool:

@@ -10,6 +10,10 @@ Two formats, each the layout one of torch's weight-only kernels reads:
 - int8 (`Int8Weight`): w[n, k] = scale[n] * q[n, k], q int8, one scale per output row: what
   `_weight_int8pack_mm` reads.
 
+On a CPU with AVX512-VNNI, int4 weights are packed in pagechat's VNNI layout instead (the same
+values and pairs; kernels/native.c says how) and run the native kernel, whose input goes in as
+two int8 digits per group of 32, and the native decode stack (model.native_decoder_stack).
+
 How the GGUF types map (blocks of 32 along a row, each with an fp16 scale d):
 - Q4_0: w = d * (q - 8)                        -> int4, scale d, zero 0: exact.
 - Q4_1: w = d * q + m = d * (q - 8) + (m + 8d) -> int4, scale d, zero m + 8d: exact (in fp32).
@@ -240,11 +244,14 @@ class DequantScratch:
 
 
 class QuantLinear(nn.Module):
-    """A bias-free projection over packed weights, through torch's weight-only CPU kernels.
+    """A bias-free projection over packed weights, through the native or torch's weight-only
+    CPU kernels.
 
-    Holds either int4 (`packed` [N, K/2] uint8 + `scales` [K/32, N, 2], the scale and zero
-    pairs) or int8 (`packed` [N, K] int8 + `scales` [N]), all kernel-ready. The int4 kernel
-    takes its input in bf16 and rounds its output to bf16; int8 runs through the native
+    Holds either int4 (`packed` [N, K/2] uint8, in the VNNI layout where `vnni` is set and
+    torch's otherwise, + `scales` [K/32, N, 2], the scale and zero pairs) or int8 (`packed`
+    [N, K] int8 + `scales` [N]), all kernel-ready. The VNNI int4 kernel takes its input as
+    two int8 digits per group and sums in int32 and fp32; torch's int4 kernel takes its input
+    in bf16 and rounds its output to bf16; int8 runs through the native
     fp32 matrix-vector product (`native.int8_gemv`: the LM head's logits stay fp32, where a
     bf16 output put top tokens in exact ties), or torch's bf16 kernel without a compiler.
 
