@@ -245,6 +245,26 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__)
+/* The horizontal sums of 16 vectors, as one vector: lane j holds the sum of v[j]. */
+static inline __m512 sum_each(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; i++)
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+#endif
+
 /* One sequence's decode attention for query heads [h_begin, h_end): o [Hq, D] from qb [Hq, D]
    over the len context slots ctx (cache rows of num_kv_heads * head_dim floats); scores
    holds Hq * len floats. Where peaks is set, each head's largest score and its softmax's
@@ -257,7 +277,28 @@ static void attend_row(const float *qb, const float *k_cache, const float *v_cac
     const int64_t row = num_kv_heads * head_dim; /* floats per cache slot */
     /* scores[hq * len + c]; a slot's K (and later V) rows for every head are read together,
        front to back: the context streams through once, not once per head. */
-    for (int64_t c = 0; c < len; c++) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    /* 16 positions at a time, their 16 dot products reduced together (one transpose-add
+       where one each took a horizontal sum): the block's K rows stay in L1 for every head */
+    if (head_dim % 16 == 0)
+        for (; c + 16 <= len; c += 16)
+            for (int64_t hq = h_begin; hq < h_end; hq++) {
+                const float *qh = qb + hq * head_dim;
+                const int64_t head = (hq / group) * head_dim;
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *k = k_cache + ctx[c + j] * row + head;
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < head_dim; i += 16)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i), _mm512_loadu_ps(k + i), acc);
+                    dots[j] = acc;
+                }
+                _mm512_storeu_ps(scores + hq * len + c,
+                                 _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+            }
+#endif
+    for (; c < len; c++) {
         const float *k = k_cache + ctx[c] * row;
         for (int64_t hq = h_begin; hq < h_end; hq++)
             scores[hq * len + c] =
