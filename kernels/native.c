@@ -314,6 +314,34 @@ static void attend_row(const float *qb, const float *k_cache, const float *v_cac
         const float inv = 1.0f / total;
         for (int64_t c = 0; c < len; c++) s[c] *= inv;
     }
+#if defined(__AVX512F__)
+    /* head_dim 64: each KV head's V row loaded once into registers for the query heads that
+       read it (up to four), their outputs accumulated in registers over the context */
+    if (head_dim == 64 && group <= 4 && h_begin == 0 && h_end == num_q_heads) {
+        for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+            __m512 acc[4][4];
+            for (int a = 0; a < 4; a++)
+                for (int i = 0; i < 4; i++) acc[a][i] = _mm512_setzero_ps();
+            const float *p = scores + kv * group * len;
+            for (int64_t c = 0; c < len; c++) {
+                const float *v = v_cache + ctx[c] * row + kv * 64;
+                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+                const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                for (int64_t a = 0; a < group; a++) {
+                    const __m512 w = _mm512_set1_ps(p[a * len + c]);
+                    acc[a][0] = _mm512_fmadd_ps(w, v0, acc[a][0]);
+                    acc[a][1] = _mm512_fmadd_ps(w, v1, acc[a][1]);
+                    acc[a][2] = _mm512_fmadd_ps(w, v2, acc[a][2]);
+                    acc[a][3] = _mm512_fmadd_ps(w, v3, acc[a][3]);
+                }
+            }
+            for (int64_t a = 0; a < group; a++)
+                for (int i = 0; i < 4; i++)
+                    _mm512_storeu_ps(o + (kv * group + a) * 64 + 16 * i, acc[a][i]);
+        }
+        return;
+    }
+#endif
     for (int64_t i = h_begin * head_dim; i < h_end * head_dim; i++) o[i] = 0.0f;
     for (int64_t c = 0; c < len; c++) {
         const float *v = v_cache + ctx[c] * row;
