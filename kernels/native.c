@@ -651,7 +651,8 @@ void pagechat_dequant_int4_vnni(const uint8_t *packed, const uint16_t *scales_ze
    write_slots [m] is where each row's K/V goes; block_tables [m, table_width] int32 and
    seq_lens [m] int32 are each row's pages and context length, its new token included (the
    step's AttentionMetadata as it is). Returns 0, 1 where memory ran out, 2 where a weight is
-   not in whole tiles of 64 rows or AVX512 is missing (checked before anything is written).
+   not in whole tiles of 16 rows or AVX512-VNNI is missing, 3 where a write slot, a block or a
+   length lies outside the pool (all checked before anything is written).
    Where matmul_ns is not NULL, the nanoseconds spent in the four GEMVs are added to it (for
    benchmarks/engine_step.py's matmul share: no hook sees inside this call). */
 typedef struct {
@@ -664,6 +665,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_q_heads, num_kv_heads, head_dim;
     float rms_norm_eps, scale;
+    int64_t cache_blocks, block_size; /* the KV pool's, every layer's caches alike */
 } pagechat_decoder_shape;
 
 /* g / (1 + exp(-g)) through exp_nonpositive (so that the loop vectorizes): with
@@ -945,8 +947,19 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
        output; then the scores and one head's rotation */
     const int64_t per_row = h + qkv_size + q_size + 2 * inter + inter + h;
     if (qkv_size % 16 || h % 32 || (2 * inter) % 16 || q_size % 32 || inter % 32) return 2;
+    if (block_size != shape->block_size) return 3;
+    /* Nothing outside the pool is written or read: every write slot and every block a
+       context reads lies in it (a few rows: cheap next to the step). */
     int64_t max_context = 0;
-    for (int64_t r = 0; r < m; r++) max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
+    for (int64_t r = 0; r < m; r++) {
+        if (write_slots[r] < 0 || write_slots[r] >= shape->cache_blocks * block_size) return 3;
+        if (seq_lens[r] < 1 || seq_lens[r] > table_width * block_size) return 3;
+        for (int64_t b = 0; b < (seq_lens[r] + block_size - 1) / block_size; b++) {
+            const int32_t block = block_tables[r * table_width + b];
+            if (block < 0 || block >= shape->cache_blocks) return 3;
+        }
+        max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
+    }
     /* each row's context slots, from its block table: once a step, read by every layer */
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context));
     float *work =

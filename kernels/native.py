@@ -451,6 +451,8 @@ class DecoderShape(ctypes.Structure):
         ("head_dim", ctypes.c_int64),
         ("rms_norm_eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("cache_blocks", ctypes.c_int64),  # the KV pool's (set by DecoderStack)
+        ("block_size", ctypes.c_int64),
     ]
 
 
@@ -491,6 +493,10 @@ class DecoderStack:
                 _check(t, tuple(t.shape), (torch.float32,))
             entry.attn_norm, entry.mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
             entry.k_cache, entry.v_cache = layer.key_cache.data_ptr(), layer.value_cache.data_ptr()
+        pool = layers[0].key_cache  # [N, bs, Hkv, D]: every layer's alike
+        if any(c.shape != pool.shape for lay in layers for c in (lay.key_cache, lay.value_cache)):
+            raise ValueError("the layers' caches differ in shape")
+        shape.cache_blocks, shape.block_size = pool.shape[0], pool.shape[1]
         self.shape = shape
         self._table = table
         self._layers = layers  # keeps what the table points at alive
@@ -514,11 +520,7 @@ class DecoderStack:
         _check(slots, (m,), (torch.int64,), tables, lens)
         if tables.dtype != torch.int32 or lens.dtype != torch.int32:
             raise ValueError("block tables and seq_lens are int32")
-        # The metadata checked the lengths against the tables; a slot outside the pool would
-        # be written outside it (a few rows: cheap).
-        lowest, highest = torch.aminmax(slots)
-        if int(lowest) < 0 or int(highest) >= self._cache_slots(meta.block_size):
-            raise ValueError("a write slot outside the KV pool")
+        # Write slots, blocks and lengths are checked against the pool in C (status 3).
         status = self._lib.pagechat_decode_layers(
             ctypes.addressof(self._table),
             ctypes.addressof(self.shape),
@@ -536,12 +538,8 @@ class DecoderStack:
         )
         if status == 1:
             raise MemoryError("pagechat_decode_layers could not allocate its work area")
+        if status == 3:
+            raise ValueError("a write slot, block or length outside the KV pool")
         if status:
-            raise ValueError("pagechat_decode_layers declined these shapes (tiles of 64, AVX512)")
+            raise ValueError("pagechat_decode_layers declined these shapes (tiles of 16, VNNI)")
         return x
-
-    def _cache_slots(self, block_size: int) -> int:
-        cache = self._layers[0].key_cache  # [N, bs, Hkv, D]
-        if cache.shape[1] != block_size:
-            raise ValueError(f"a step of block size {block_size} over a pool of {cache.shape[1]}")
-        return cache.shape[0] * block_size

@@ -95,7 +95,7 @@ def test_the_stack_writes_the_cache_the_layers_would(
     assert torch.allclose(*pools, rtol=1e-3, atol=1e-4)  # the decode steps' K/V too
 
 
-def test_a_write_slot_outside_the_pool_is_refused_before_any_write(
+def test_a_slot_or_block_outside_the_pool_is_refused_before_any_write(
     make_engine: EngineFactory, tiny_int4: LoadedModel
 ) -> None:
     engine = make_engine(loaded=tiny_int4)
@@ -107,13 +107,17 @@ def test_a_write_slot_outside_the_pool_is_refused_before_any_write(
 
     def with_a_bad_slot_first(inputs: StepInputs) -> torch.Tensor:
         if inputs.native_decode:
-            outside = runner.device_pool.shape[2] * runner.block_size
-            bad = dataclasses.replace(inputs.meta, slot_mapping=torch.tensor([outside]))
+            blocks = runner.device_pool.shape[2]
+            meta = inputs.meta
+            outside = blocks * runner.block_size
+            bad_slot = dataclasses.replace(meta, slot_mapping=torch.tensor([outside]))
+            bad_block = dataclasses.replace(meta, block_tables=meta.block_tables + blocks)
             before = runner.device_pool.clone()
             x = torch.zeros(1, tiny_int4.args.hidden_size)
             cos = torch.zeros(1, tiny_int4.args.head_dim)
-            with pytest.raises(ValueError, match="outside the KV pool"):
-                stack(x, cos, cos, bad)
+            for bad in (bad_slot, bad_block):  # a write, and a read, outside the pool
+                with pytest.raises(ValueError, match="outside the KV pool"):
+                    stack(x, cos, cos, bad)
             refused.append(torch.equal(runner.device_pool, before))
         return forward(inputs)
 
