@@ -701,12 +701,18 @@ typedef struct {
     float *peaks, *totals; /* this thread's [num_q_heads], for a lone row's context range */
 } attention_rows;
 
-/* Work for the helper: rows [n_begin, n_end) of a GEMV's output, or of the batch's
-   attention. */
+/* What a part of a stack call's work is: [n_begin, n_end) counts its unit. */
+typedef enum {
+    PART_INT4,              /* output rows of int4_vnni_tiles over quantized inputs */
+    PART_INT8,              /* output rows of pagechat_int8_gemv */
+    PART_ATTENTION_ROWS,    /* rows of the batch's attention */
+    PART_ATTENTION_CONTEXT, /* context positions of row 0's attention */
+    PART_GATED,             /* elements of SiLU(gate) * up, [m, intermediate] */
+} part_kind;
+
+/* Work for the helper (or the caller's own share of it). */
 typedef struct {
-    int bits;           /* 4: int4_vnni_tiles over quantized inputs; 8: pagechat_int8_gemv;
-                           0: attention rows; 1: row 0's attention over a context range;
-                           3: SiLU(gate) * up over elements of the [m, intermediate] output */
+    part_kind kind;
     quantized_rows xq;  /* int4's input */
     const float *x;     /* int8's input */
     int64_t m, n, k, n_begin, n_end;
@@ -792,15 +798,22 @@ static void gated_rows(const float *gate_up, float *act, int64_t inter, int64_t 
 }
 
 static void run_part(const gemv_part *p) {
-    if (p->bits == 0 || p->bits == 1)
-        attend_rows(&p->attention, p->n_begin, p->n_end, p->bits == 1);
-    else if (p->bits == 3)
-        gated_rows(p->x, p->y, p->k, p->n_begin, p->n_end);
-    else if (p->bits == 4)
+    switch (p->kind) {
+    case PART_INT4:
         int4_vnni_tiles(p->xq, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin, p->n_end);
-    else
+        break;
+    case PART_INT8:
         pagechat_int8_gemv(p->x, p->m, p->weight, p->scales, p->y, p->n, p->k, p->n_begin,
                            p->n_end);
+        break;
+    case PART_ATTENTION_ROWS:
+    case PART_ATTENTION_CONTEXT:
+        attend_rows(&p->attention, p->n_begin, p->n_end, p->kind == PART_ATTENTION_CONTEXT);
+        break;
+    case PART_GATED:
+        gated_rows(p->x, p->y, p->k, p->n_begin, p->n_end);
+        break;
+    }
 }
 
 /* Runs `theirs` on the helper and `mine` on the calling thread, and waits for both. */
@@ -898,7 +911,7 @@ static inline void project(const float *x, int64_t m, const uint8_t *packed,
     const quantized_rows q = quantized_view(quantized, m, k);
     quantize_rows(x, m, k, q);
     if (split) {
-        const gemv_part part = {.bits = 4, .xq = q, .m = m, .n = n, .k = k, .n_end = n,
+        const gemv_part part = {.kind = PART_INT4, .xq = q, .m = m, .n = n, .k = k, .n_end = n,
                                 .weight = packed, .scales = pairs, .y = y};
         run_halves(&part, (n / 16 + 1) / 2 * 16); /* the caller's half: the larger */
     } else {
@@ -916,7 +929,7 @@ void pagechat_int8_gemv_threads(const float *x, int64_t m, const int8_t *q,
                                 int64_t threads) {
 #if defined(PAGECHAT_VNNI)
     if (threads > 1 && helper_take()) {
-        const gemv_part part = {.bits = 8, .x = x, .m = m, .n = n, .k = k, .n_end = n,
+        const gemv_part part = {.kind = PART_INT8, .x = x, .m = m, .n = n, .k = k, .n_end = n,
                                 .weight = q, .scales = scales, .y = y};
         run_halves(&part, n / 2);
         helper_release();
@@ -1007,7 +1020,7 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
                                      hkv,  d,    shape->scale, NULL, NULL};
         if (split && m > 1) {
             /* each thread its own rows, and its own scores */
-            gemv_part part = {.bits = 0, .m = m, .n = m, .n_end = m, .attention = rows};
+            gemv_part part = {.kind = PART_ATTENTION_ROWS, .m = m, .n = m, .n_end = m, .attention = rows};
             gemv_part theirs = part, mine = part;
             theirs.n_begin = mine.n_end = (m + 1) / 2;
             theirs.attention.scores = scores + hq * max_context;
@@ -1015,7 +1028,7 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
         } else if (split && seq_lens[0] >= 2 * MIN_CONTEXT_HALF) {
             /* a lone sequence: each thread half its context, merged */
             const int64_t len = seq_lens[0];
-            gemv_part mine = {.bits = 1, .m = 1, .n = len, .n_end = len / 2, .attention = rows};
+            gemv_part mine = {.kind = PART_ATTENTION_CONTEXT, .m = 1, .n = len, .n_end = len / 2, .attention = rows};
             gemv_part theirs = mine;
             theirs.n_begin = len / 2;
             theirs.n_end = len;
@@ -1036,7 +1049,7 @@ int pagechat_decode_layers(const pagechat_decoder_layer *layers,
         pagechat_rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
         project(normed, m, layer->packed[2], layer->pairs[2], gate_up, 2 * inter, h, split,
                 quantized, matmul_ns);
-        const gemv_part gated = {.bits = 3, .x = gate_up, .m = m, .n = m * inter, .k = inter,
+        const gemv_part gated = {.kind = PART_GATED, .x = gate_up, .m = m, .n = m * inter, .k = inter,
                                  .n_end = m * inter, .y = act};
         if (split)
             run_halves(&gated, m * inter / 2);

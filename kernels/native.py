@@ -330,8 +330,8 @@ def _check_int4_vnni(packed: Tensor, pairs: Tensor) -> tuple[int, int]:
 
 
 def int4_vnni_gemv(x: Tensor, packed: Tensor, pairs: Tensor) -> Tensor:
-    """x [M, K] fp32 times an int4 weight in the VNNI layout: [M, N] fp32. The input is
-    quantized to int8 per group of 32 (native.c says how), the products summed in int32."""
+    """x [M, K] fp32 times an int4 weight in the VNNI layout: [M, N] fp32. The input goes in
+    as two int8 digits per group of 32 (native.c says how), the products summed in int32."""
     lib = _library_or_raise()
     n, k = _check_int4_vnni(packed, pairs)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
@@ -432,7 +432,7 @@ class DecoderLayer(ctypes.Structure):
     """One decoder layer's weights and caches as pagechat_decode_layers reads them."""
 
     _fields_ = [
-        ("packed", ctypes.c_void_p * 4),  # qkv, o_proj, gate_up, down: torch's int4 layout
+        ("packed", ctypes.c_void_p * 4),  # qkv, o_proj, gate_up, down: int4, VNNI layout
         ("pairs", ctypes.c_void_p * 4),  # their (scale, zero) pairs [K/32, N, 2] bf16
         ("attn_norm", ctypes.c_void_p),
         ("mlp_norm", ctypes.c_void_p),

@@ -281,8 +281,8 @@ class QuantLinear(nn.Module):
         self.max_packed_tokens = max_packed_tokens
         self.scratch = scratch if native.library() is not None else None
         # The VNNI layout where this CPU has AVX512-VNNI and the weight fills its tiles:
-        # then every packed step runs the native int8-input kernel (2x torch's bf16 one at a
-        # row here, and the native decoder stack's); else torch's layout and kernel.
+        # then every packed step runs the native kernel (the decoder stack's too: faster
+        # than torch's bf16 one at a row here, docs/perf.md); else torch's layout and kernel.
         self.vnni = (
             isinstance(weight, Int4Weight)
             and device.type == "cpu"
@@ -316,7 +316,7 @@ class QuantLinear(nn.Module):
             dense: Tensor = self._dense(x.to(self.scratch.dtype)).to(x.dtype)
             return dense
         if self.vnni:
-            # int8 inputs, int32 sums (native.int4_vnni_gemv; the error bound is above).
+            # Two int8 digits an input, int32 sums (native.int4_vnni_gemv; bound above).
             return native.int4_vnni_gemv(x.float(), self.packed, self.scales).to(x.dtype)
         if self.bits == 4 and x.shape[0] <= NATIVE_INT4_ROWS and native.library() is not None:
             # fp32 through, and faster than torch's bf16 kernel at one row (native.int4_gemv).
