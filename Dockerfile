@@ -2,15 +2,16 @@
 # (embedded Redis under /data), or with PAGECHAT_REDIS_URL set (docker-compose.yml).
 # The default target is the runtime image: requirements.lock only, no test or load-test tool.
 # `--target loadtest` adds Locust and loadtest/ on top (docker-compose.yml's Locust services).
-# The native CPU kernels (kernels/native.c: the packed weights' dense path, the LM head's
-# GEMV, paged decode attention), built where a compiler is, for any x86-64-v3 CPU (AVX2 and
-# FMA): the runtime image has no compiler to build them at start-up.
+# The CPU kernels (kernels/cpu: every kernel in a generic version and one per instruction set
+# of the architecture, x86-64's AVX2, AVX512 and AVX512-VNNI, arm64's NEON), built in a stage
+# with a compiler into one library: the runtime image has no compiler, and picks each kernel's
+# best version for whatever CPU it lands on when it starts.
 FROM python:3.11-slim-bookworm AS native
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-COPY kernels/native.c /src/
-RUN gcc -O3 -march=x86-64-v3 -shared -fPIC -std=gnu11 -pthread -o /src/libpagechat_native.so \
-    /src/native.c
+COPY kernels/__init__.py /src/kernels/
+COPY kernels/cpu /src/kernels/cpu
+RUN cd /src && python -m kernels.cpu.build --compiler gcc --output /src/libpagechat_cpu.so
 
 FROM python:3.11-slim-bookworm AS base
 
@@ -18,8 +19,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OMP_NUM_THREADS=1 \
-    PAGECHAT_NATIVE_LIB=/opt/pagechat/libpagechat_native.so
-COPY --from=native /src/libpagechat_native.so /opt/pagechat/
+    PAGECHAT_CPU_LIB=/opt/pagechat/libpagechat_cpu.so
+COPY --from=native /src/libpagechat_cpu.so /opt/pagechat/
 
 WORKDIR /app
 

@@ -1,16 +1,18 @@
-"""Decode throughput of the engine on the default model, per weight format, side by side.
+"""Decode throughput of the engine on the default model, per weight format and CPU kernel
+version, side by side.
 
 For each batch size, N requests with distinct ~200-token prompts are prefilled, then the engine
-runs decode steps with all N sequences in the batch. Reported per batch size and weight format:
+runs decode steps with all N sequences in the batch. Reported per batch size, weight format
+(auto: the GGUF's blocks as stored) and CPU kernel version (--cpu-isa, each forced in turn):
 aggregate generated tokens/s over the timed decode steps, mean step time, the share of each
 step spent in matmuls (every projection and the LM head, timed around each call), and the share
 spent outside the model forward (scheduling, block moves and input tensors, sampling,
 detokenizing and stop checks). One engine per format, all loaded at once; each batch size runs
 every format in turn, so a neighbour's load on a shared machine falls on all of them alike.
 
-    .venv/bin/python -m benchmarks.engine_step [--weights fp32 bf16 int8 int4]
-        [--batch 1 4 8 32 64] [--steps 20] [--dtype auto] [--threads 1 2]
-        [--decode-threads 1 2]
+    .venv/bin/python -m benchmarks.engine_step [--weights auto fp32 bf16 int8 int4]
+        [--cpu-isa auto generic avx2 avx512 vnni] [--batch 1 4 8 32 64] [--steps 20]
+        [--dtype auto] [--threads 1 2] [--decode-threads 1 2]
 
 With --synthetic SHAPE... the models are benchmarks/synthetic.py's, random weights of real
 shapes built on the device (bf16 on CUDA), and each shape runs with CUDA graphs on and off
@@ -45,7 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import native
+from kernels.cpu.dispatch import cpu_description
+from kernels.cpu.stack import DecoderStack
 from service.engine.config import EngineConfig, dtype_name
 from service.engine.cuda_graphs import (
     CudaDecodeGraphs,
@@ -67,7 +70,7 @@ class MatmulClock:
     and the LM head (`compute_logits`, which is one matmul and a cast). The CPU runs each
     call to completion, so wall time around it is its cost."""
 
-    def __init__(self, model: LlamaModel, stack: native.DecoderStack | None = None) -> None:
+    def __init__(self, model: LlamaModel, stack: DecoderStack | None = None) -> None:
         self._seconds = 0.0
         self._start = 0.0
         self._stack = stack
@@ -175,7 +178,13 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", nargs="+", default=["fp32", "bf16", "int8", "int4"])
+    parser.add_argument("--weights", nargs="+", default=["auto"])
+    parser.add_argument(
+        "--cpu-isa",
+        nargs="+",
+        default=["auto"],
+        help="CPU kernel versions, each forced in turn (auto: the best this CPU runs)",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=200)
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=[2],
-        help="the native decode stack's threads (int4 on AVX512-VNNI), each run side by side",
+        help="the native decode stack's threads (packed weights), each run side by side",
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     synthetic = parser.add_argument_group("synthetic models (benchmarks/synthetic.py)")
@@ -209,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         return synthetic_main(args)
 
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
-    for weights, threads, decode_threads in itertools.product(
-        args.weights, args.threads, args.decode_threads
+    for weights, isa, threads, decode_threads in itertools.product(
+        args.weights, args.cpu_isa, args.threads, args.decode_threads
     ):
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
             weights=weights,
+            cpu_isa=isa,
             max_num_seqs=max(args.batch),
             max_model_len=1024,
             kv_cache_mb=args.kv_cache_mb,
@@ -223,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             decode_threads=decode_threads,
         )
         engine = LLMEngine(config)  # its crossover trial runs at `threads`
-        name = weights if len(args.threads) == 1 else f"{weights} {threads}t"
+        name = weights if len(args.cpu_isa) == 1 else f"{weights} {isa}"
+        if len(args.threads) > 1:
+            name += f" {threads}t"
         if len(args.decode_threads) > 1:
             name += f" stack {engine.runner.native_decode_threads}t"
         engines[name] = (engine, MatmulClock(engine.runner.model, engine.runner.decoder_stack))
@@ -237,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
     first = next(iter(engines.values()))[0]
     print(
-        f"engine_step: {first.model_id}, {dtype_name(first.activation_dtype)} activations, "
+        f"engine_step on {cpu_description()}: {first.model_id}, "
+        f"{dtype_name(first.activation_dtype)} activations, "
+        f"{dtype_name(first.kv_cache_dtype)} KV cache, "
         f"torch threads {' and '.join(map(str, args.threads))}, decode stack threads "
         f"{' and '.join(map(str, args.decode_threads))}, {args.steps} decode steps, "
         f"~{args.prompt_len}-token prompts"

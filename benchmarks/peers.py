@@ -14,13 +14,16 @@ Servers, all started at once and kept running (each idle while another is measur
   free loopback port with an embedded Redis in a temporary directory;
 - llama-server (scripts/build-llama-server.sh; `make llama-server`) on the bundled GGUF,
   `-np 32 -t 2 --no-repack -c <slots x 512>`.
+At equal KV capacity: each pagechat gets `--kv-cache-mb` for llama-server's context (`-c`
+tokens of K and V in float16, both servers' cache dtype) and no swap pool, unless its
+configuration names either option (`--no-equal-kv`: pagechat's own defaults).
 Memory: each server's peak RSS from when it listens to its stop, psutil every 0.2 s, and the
 kernel's high-water mark of it (VmHWM, start-up included); the children (pagechat's embedded
 redis-server) are summed apart, not in the server's figures.
 
 Without a llama-server binary it prints why and exits 0, having run nothing (`SKIPPED`).
 
-    .venv/bin/python -m benchmarks.peers [--pagechat "" --pagechat "--weights int4"]
+    .venv/bin/python -m benchmarks.peers [--pagechat "" --pagechat "--cpu-isa avx2"]
         [--streams 1 8 32] [--rounds 2] [--max-tokens 128] [--json results/peers.json]
 """
 
@@ -44,7 +47,8 @@ from typing import Any
 from benchmarks.peer_servers import DEFAULT_BINARY, LlamaServer, Peak, RssPeaks
 from benchmarks.serve import Server
 from benchmarks.sse_client import StreamError, StreamResult, stream_chat
-from service.engine.loader import default_model_path
+from kernels.cpu.dispatch import cpu_description
+from service.engine.loader import default_model_path, open_gguf
 
 LLAMA = "llama-server"
 BUSY_LOAD = 1.0  # a 1-minute load average above this before the run earns a warning
@@ -284,14 +288,31 @@ def pagechat_label(args: str) -> str:
     return f"pagechat {args}".strip()
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of one token in float16 over every layer, from the GGUF's shape."""
+    reader = open_gguf(model)
+    arch = str(reader.get_field("general.architecture").contents())  # type: ignore[union-attr]
+
+    def field(key: str) -> int:
+        value = reader.get_field(f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{model.name} has no {arch}.{key}")
+        return int(value.contents())
+
+    heads = field("attention.head_count")
+    kv_heads = field("attention.head_count_kv")
+    head_dim = field("embedding_length") // heads
+    return field("block_count") * 2 * kv_heads * head_dim * 2
+
+
+def equal_kv_options(config: str, context_tokens: int, bytes_per_token: int) -> str:
+    """`config` with pagechat's KV pools sized to llama-server's context, where it does not
+    size them itself."""
+    given = shlex.split(config)
+    if any(o in given for o in ("--kv-cache-mb", "--swap-space-mb", "--num-device-blocks")):
+        return config
+    mib = -(-context_tokens * bytes_per_token // (1 << 20))
+    return shlex.join([*given, "--kv-cache-mb", str(mib), "--swap-space-mb", "0"])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -302,11 +323,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="ARGS",
         help="one pagechat configuration: extra `pagechat serve` options in one string, e.g. "
-        '"--weights int4" ("" for the defaults); repeat to compare several (default: "")',
+        '"--cpu-isa avx2" ("" for the defaults); repeat to compare several (default: "")',
     )
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_BINARY, help="the binary")
     parser.add_argument(
         "--llama-arg", action="append", default=[], help="extra llama-server option"
+    )
+    parser.add_argument(
+        "--no-equal-kv",
+        dest="equal_kv",
+        action="store_false",
+        help="run pagechat with its own KV pool sizes, not llama-server's context",
     )
     parser.add_argument("--slots", type=int, default=32, help="llama-server -np")
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t")
@@ -334,8 +361,11 @@ def run(args: argparse.Namespace, model: Path, configs: list[str]) -> Run:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp, contextlib.ExitStack() as stack:
         stack.callback(peaks.stop)  # last, after every server has stopped
         targets: list[Target] = []
+        per_token = kv_bytes_per_token(model)
         for i, extra in enumerate(configs):
             label = pagechat_label(extra)
+            if args.equal_kv:
+                extra = equal_kv_options(extra, args.slots * args.ctx_per_slot, per_token)
             serve_args = ["--data-dir", f"{tmp}/data-{i}", "--model", str(model)]
             server = Server(Path(tmp) / f"pagechat-{i}.log", [*serve_args, *shlex.split(extra)])
             stack.callback(server.stop)
@@ -393,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = summarize(result.measurements)
     print(
         f"peers: {model.name}, {len(args.streams)} concurrencies x {args.rounds} rounds, "
-        f"{args.max_tokens} tokens a stream; {cpu_model()}, {os.cpu_count()} CPUs; load average "
+        f"{args.max_tokens} tokens a stream; {cpu_description()}, {os.cpu_count()} CPUs; "
+        f"{'equal KV capacity' if args.equal_kv else 'own KV pool sizes'}; load average "
         f"{loadavg_start[0]:.2f} at the start, {loadavg_end[0]:.2f} at the end; "
         f"llama-server {shlex.join(result.llama_command[1:])}"
     )
@@ -408,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "started": started.isoformat(timespec="seconds"),
             "model": str(model),
-            "cpu": cpu_model(),
+            "cpu": cpu_description(),
+            "equal_kv": args.equal_kv,
             "cpus": os.cpu_count(),
             "loadavg_start": loadavg_start,
             "loadavg_end": loadavg_end,

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import native, reference
+from kernels import reference
+from kernels.cpu import ops
+from kernels.cpu.dispatch import KernelSet
 from kernels.metadata import AttentionMetadata
 
 
@@ -49,11 +51,14 @@ class AttentionBackend(Protocol):
 
 class TorchBackend:
     """The pure-torch reference; the production path on the CPU, where decode rows read the
-    paged cache in place through the native kernel (`kernels.native.paged_decode`: no
+    paged cache in place through the CPU kernels (`kernels.cpu.ops.paged_decode`: no
     gathered K/V copy, no padded SDPA; 1.7x faster at one sequence of 300 tokens, 4x at
-    eight, docs/perf.md) when it is built and the cache is fp32."""
+    eight, docs/perf.md) when `kernels` are given and the activations are fp32."""
 
     name = "torch"
+
+    def __init__(self, kernels: KernelSet | None = None) -> None:
+        self.kernels = kernels
 
     def plan(self, meta: AttentionMetadata) -> reference.TorchAttentionPlan:
         return reference.plan_attention(meta)
@@ -77,7 +82,9 @@ class TorchBackend:
         plan: Any,
         scale: float,
     ) -> torch.Tensor:
-        decode = _native_decode if _native_decode_applies(query, key_cache) else None
+        decode = None
+        if self.kernels is not None and _native_decode_applies(query, key_cache):
+            decode = _NativeDecode(self.kernels)
         return reference.paged_attention(query, key_cache, value_cache, plan, scale, decode)
 
     def copy_blocks(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -90,31 +97,47 @@ class TorchBackend:
 
 
 def _native_decode_applies(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    d = key_cache.shape[-1]
     return (
         query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == torch.float32
+        and query.dtype == torch.float32
+        and key_cache.dtype in ops.ELEMENT_TYPES
         and key_cache.is_contiguous()
-        and native.library() is not None
+        and d % 16 == 0
+        and d <= ops.MAX_HEAD_DIM
     )
 
 
-def _native_decode(
-    query: torch.Tensor,  # [Bd, Hq, D]
-    key_cache: torch.Tensor,  # [N, bs, Hkv, D]
-    value_cache: torch.Tensor,
-    g: reference.DecodeGroup,
-    scale: float,
-) -> torch.Tensor:  # [Bd, Hq, D]
-    slots = g.slots.view(g.seq_lens.shape[0], -1)  # [Bd, C]
-    return native.paged_decode(query, key_cache, value_cache, slots, g.seq_lens, scale)
+class _NativeDecode:
+    """The decode rows' attention through the CPU kernels, in reference.DecodeAttention's
+    shape."""
+
+    def __init__(self, kernels: KernelSet) -> None:
+        self.kernels = kernels
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [Bd, Hq, D]
+        key_cache: torch.Tensor,  # [N, bs, Hkv, D]
+        value_cache: torch.Tensor,
+        g: reference.DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:  # [Bd, Hq, D]
+        slots = g.slots.view(g.seq_lens.shape[0], -1)  # [Bd, C]
+        return ops.paged_decode(
+            self.kernels, query, key_cache, value_cache, slots, g.seq_lens, scale
+        )
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and the torch reference elsewhere."""
+def get_backend(
+    name: str, device: torch.device, kernels: KernelSet | None = None
+) -> AttentionBackend:
+    """`auto` picks Triton on CUDA and the torch reference elsewhere (with the CPU
+    `kernels`, where given, for the decode rows)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(kernels if device.type == "cpu" else None)
     if name == "triton":
         from kernels.triton_backend import TritonBackend
 

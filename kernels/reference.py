@@ -124,8 +124,9 @@ def paged_attention(
         # With a batch dimension: torch's CPU flash kernel takes 4-d inputs only, and 3-d
         # ones fell back to the math path (2x slower at 106 tokens, 9 heads).
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, Q, D]
-        k = _gather(key_cache, p.blocks, p.offsets, p.slots).transpose(0, 1)[None]  # [1, Hkv, S, D]
-        v = _gather(value_cache, p.blocks, p.offsets, p.slots).transpose(0, 1)[None]
+        # [1, Hkv, S, D], in the query's dtype (a 16-bit cache under fp32 activations)
+        k = _gather(key_cache, p.blocks, p.offsets, p.slots).to(q.dtype).transpose(0, 1)[None]
+        v = _gather(value_cache, p.blocks, p.offsets, p.slots).to(q.dtype).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
         )
@@ -143,8 +144,9 @@ def decode_sdpa(
     """One padded SDPA call for all decode rows."""
     gqa = query.shape[1] != key_cache.shape[2]
     q = query.unsqueeze(2)  # [Bd, Hq, 1, D]
-    k = _gather(key_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)  # [Bd, Hkv, C, D]
-    v = _gather(value_cache, g.blocks, g.offsets, g.slots).transpose(1, 2)
+    # [Bd, Hkv, C, D], in the query's dtype (a 16-bit cache under fp32 activations)
+    k = _gather(key_cache, g.blocks, g.offsets, g.slots).to(q.dtype).transpose(1, 2)
+    v = _gather(value_cache, g.blocks, g.offsets, g.slots).to(q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
     return o.squeeze(2)
 

@@ -165,9 +165,9 @@ def test_the_runtime_image_installs_the_runtime_lock_and_copies_the_shipped_pack
     copied = {src for words in copies if not words[0].startswith("--from=") for src in words}
     files = {"requirements.lock", "pyproject.toml"}
     assert copied == files | set(SHIPPED), "the runtime image copies more, or less"
-    # From other stages, only the native kernels built where a compiler is.
+    # From other stages, only the CPU kernel library built where a compiler is.
     built = [words for words in copies if words[0].startswith("--from=")]
-    assert built == [["--from=native", "/src/libpagechat_native.so"]]
+    assert built == [["--from=native", "/src/libpagechat_cpu.so"]]
     installs = [line for line in runtime if line.startswith("RUN ") and "pip install" in line]
     assert any("-r requirements.lock" in line for line in installs)
     assert not any("dev" in line or "locust" in line for line in installs)

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from service.engine.engine import EngineStats
+from service.engine.serving import EnginePrecision
 from service.kvtier.tier import KVTierStats
 
 _LATENCY_BUCKETS = (
@@ -239,6 +240,13 @@ class Metrics:
         self.sessions_opened = Counter(
             "pagechat_sessions_opened", "Sessions created or resumed.", ["how"], registry=r
         )
+        self.engine_info = Gauge(
+            "pagechat_engine_info",
+            "1, labelled by how the engine computes: its weights, activation and KV cache"
+            " dtypes, and the CPU kernels' version (empty where none run).",
+            ["weights", "activation_dtype", "kv_cache_dtype", "cpu_kernels"],
+            registry=r,
+        )
         r.register(_EngineCollector(engine_stats))
         # The process's memory, CPU time and open files, the interpreter and its GC, under
         # the names every exporter gives them (process_resident_memory_bytes, ...), as the
@@ -247,6 +255,14 @@ class Metrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         self._exposed = _ModelNamed(r, model_name)
+
+    def describe_engine(self, precision: EnginePrecision) -> None:
+        self.engine_info.labels(
+            weights=precision.weights,
+            activation_dtype=precision.activation_dtype,
+            kv_cache_dtype=precision.kv_cache_dtype or precision.activation_dtype,
+            cpu_kernels=precision.cpu_kernels,
+        ).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self._exposed)

@@ -164,12 +164,15 @@ class ChatService:
         await engine.start()
         self.lag.start()
         limits, precision = engine.limits, engine.precision
+        self.metrics.describe_engine(precision)
         log.info(
-            "pagechat: model %s (%s weights, %s activations, decode steps %s), %d device + %d"
-            " CPU KV blocks of %d tokens, Redis %s",
+            "pagechat: model %s (%s weights, %s activations, %s KV cache, CPU kernels %s,"
+            " decode steps %s), %d device + %d CPU KV blocks of %d tokens, Redis %s",
             engine.model_id,
             precision.weights,
             precision.activation_dtype,
+            precision.kv_cache_dtype or precision.activation_dtype,
+            precision.cpu_kernels or "off",
             f"native on {precision.decode_threads} threads"
             if precision.decode_threads
             else "op by op",

@@ -116,10 +116,12 @@ def tier_stats(t: KVTierStats) -> TierStats:
 
 class Stats(msgspec.Struct, kw_only=True):
     model_id: str
-    weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
+    weights: str  # the layers' matmul weights: GGUF types where packed ("Q4_1"), or fp32 | bf16
     weight_dtype: str  # the dense matmul weights' (what --dtype auto chose, or was told)
-    activation_dtype: str  # the activations' and the KV cache's
+    activation_dtype: str  # the activations'
+    kv_cache_dtype: str  # the KV cache's (float16 on a CPU by default)
     decode_threads: int  # the native decode stack's threads; 0: decode steps run op by op
+    cpu_kernels: str  # the CPU kernels' version ("avx2"; a kernel that differs in brackets)
     kv: KVStats
     prefix_cache: PrefixCacheStats
     swaps: SwapStats
@@ -143,7 +145,9 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
         weights=engine.precision.weights,
         weight_dtype=engine.precision.weight_dtype,
         activation_dtype=engine.precision.activation_dtype,
+        kv_cache_dtype=engine.precision.kv_cache_dtype or engine.precision.activation_dtype,
         decode_threads=engine.precision.decode_threads,
+        cpu_kernels=engine.precision.cpu_kernels,
         kv=KVStats(block_size=engine.limits.block_size, device=_pool(b.device), cpu=_pool(b.cpu)),
         prefix_cache=PrefixCacheStats(
             queries=b.prefix_queries,

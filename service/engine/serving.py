@@ -40,12 +40,17 @@ class EngineLimits:
 
 @dataclass(slots=True, frozen=True)
 class EnginePrecision:
-    weights: str  # the layers' matmul weights: int4 | int8 (packed) | fp32 | bf16 | fp16
+    # the layers' matmul weights: their GGUF types where packed ("Q4_1", "Q4_K+Q6_K"), else
+    # fp32 | bf16 | fp16
+    weights: str
     weight_dtype: str  # the dense matmul weights' dtype ("bfloat16")
-    activation_dtype: str  # the activations' and the KV cache's
+    activation_dtype: str  # the activations'
+    kv_cache_dtype: str = ""  # the KV cache's ("float16"); "" where it is the activations'
     # Threads of the native decode stack (decode steps' layers in one native call); 0 where
     # decode steps run op by op.
     decode_threads: int = 0
+    # The CPU kernels' version ("avx512", "avx2 (gemv generic)"); "" where none run.
+    cpu_kernels: str = ""
 
 
 class ServingEngine(Protocol):

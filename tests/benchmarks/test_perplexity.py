@@ -23,6 +23,7 @@ from benchmarks.perplexity import (
     window_logits,
     windows,
 )
+from kernels.cpu import dispatch
 from tests.tiny_model import ContiguousAttention, make_tiny_llama
 
 # The text as shipped (benchmarks/data/README.md): figures are comparable only over the same one.
@@ -60,7 +61,7 @@ def test_the_shipped_text_is_the_one_documented() -> None:
 def direct_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
     """The definition, another way: the model fed in two pieces through a growing contiguous
     cache (as an engine prefills, then continues), every token but the first scored."""
-    loaded = load_format(str(model_dir), "fp32", window=1)
+    loaded = load_format(str(model_dir), "fp32", 1, "auto", None)
     model = loaded.model
     attention = ContiguousAttention(model.args.num_layers)
     half = ids.shape[0] // 2
@@ -73,7 +74,7 @@ def direct_perplexity(model_dir: Path, ids: torch.Tensor) -> float:
 
 def test_windowed_fp32_perplexity_equals_the_direct_computation(tmp_path: Path) -> None:
     model_dir = make_tiny_llama(tmp_path / "tiny")
-    fp32 = load_format(str(model_dir), "fp32", window=64)
+    fp32 = load_format(str(model_dir), "fp32", 64, "auto", None)
     ids = text_tokens(fp32, TEXT, 60)
     (result,) = evaluate({"fp32": fp32}, ids, window=64, stride=32)
     assert result.tokens == 59
@@ -85,7 +86,7 @@ def test_windowed_fp32_perplexity_equals_the_direct_computation(tmp_path: Path) 
 
 
 def test_the_logits_of_a_window_are_the_models_own(tmp_path: Path) -> None:
-    loaded = load_format(str(make_tiny_llama(tmp_path / "tiny")), "fp32", window=64)
+    loaded = load_format(str(make_tiny_llama(tmp_path / "tiny")), "fp32", 64, "auto", None)
     ids = text_tokens(loaded, TEXT, 12)
     logits = window_logits(loaded, ids)
     assert logits.shape == (12, loaded.args.vocab_size) and logits.dtype == torch.float32
@@ -99,11 +100,15 @@ def test_a_short_slice_on_the_bundled_model_gives_sane_figures_per_format(
 ) -> None:
     out = tmp_path / "perplexity.json"
     argv = ["--max-tokens", "160", "--window", "96", "--stride", "48", "--json", str(out)]
-    assert main([*argv, "--weights", "int4", "bf16", "fp32", "int8"]) == 0
+    formats = ["stored", "bf16", "fp32", "q8_0", "stored-dense"]
+    assert main([*argv, "--weights", *formats, "--cpu-isa", "generic", "auto"]) == 0
     record = json.loads(out.read_text())
     assert record["tokens"] == 160 and record["text_sha256"] == TEXT_SHA256
     results = {r["weights"]: r for r in record["results"]}
-    assert list(results) == ["fp32", "int4", "bf16", "int8"]  # the reference first
+    assert list(results) == [  # the reference first; each packed format on each version
+        "fp32", "stored generic", "stored auto", "bf16", "q8_0 fp32", "q8_0 generic",
+        "q8_0 auto", "stored-dense generic", "stored-dense auto",
+    ]  # fmt: skip
     fp32 = results["fp32"]
     assert fp32["vs_reference"] == 0.0 and fp32["max_rel_logit_dev"] == 0.0
     assert fp32["top1_agreement"] == 1.0
@@ -112,7 +117,16 @@ def test_a_short_slice_on_the_bundled_model_gives_sane_figures_per_format(
         # An English text under a 135M chat model: far better than chance over ~49k tokens.
         assert 2.0 < r["perplexity"] < 200.0
         assert abs(r["vs_reference"]) < 0.1  # every format is that model, rounded
+        if r["weights"].split()[-1] in dispatch.names() or r["weights"].endswith(" auto"):
+            assert abs(r["vs_own_fp32"]) < 1e-4  # what the kernels add to their weights: ~0
         assert 0.0 <= r["max_rel_logit_dev"] < 0.2
         assert r["top1_agreement"] > 0.8
-    assert results["int4"]["description"].startswith("int4")
-    assert "| int4 |" in capsys.readouterr().out
+    # The file's own blocks in fp32: the reference's values, in another order of additions.
+    for name in ("stored generic", "stored auto", "stored-dense auto"):
+        assert abs(results[name]["vs_reference"]) < 1e-5
+        assert results[name]["max_rel_logit_dev"] < 1e-4
+    assert results["stored generic"]["description"].startswith("Q4_1 blocks")
+    assert results["q8_0 auto"]["description"].startswith("Q8_0 blocks")
+    output = capsys.readouterr().out
+    assert "| q8_0 generic |" in output and "worst" in output and "met" in output
+    assert results["q8_0 generic"]["own_fp32"] == "q8_0 fp32"

@@ -37,6 +37,9 @@ def make_engine(tiny_model: LoadedModel) -> Iterator[EngineFactory]:
     def factory(loaded: LoadedModel = tiny_model, **overrides: Any) -> LLMEngine:
         settings: dict[str, Any] = {
             "dtype": "float32",
+            # fp32 K/V, so that engine results compare exactly with fp32 references; the
+            # default 16-bit CPU cache has tests of its own (test_native_decode, test_config).
+            "kv_cache_dtype": "float32",
             "device": "cpu",
             "num_device_blocks": 256,
             "num_cpu_blocks": 64,

@@ -13,10 +13,13 @@ from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 
 NEAR_TIE = 1e-3
-# Paths that round to bf16 (dense bf16 weights, the packed int4/int8 kernels) move logits by
-# far more than batch shapes do: against fp32, bf16 dense weights parted from the bundled
-# model's greedy answers at margins up to 0.047 (and the packed Q4_1 path at the same places,
-# docs/perf.md), so between such paths a near-tie is a margin under 0.1.
+# A float16 KV cache (the CPU's default) moves logits more than batch shapes do: against the
+# fp32 model with an fp32 cache it moved the bundled model's top-two margins by up to 0.017
+# on the chat prompts of test_engine_real_model, so between the two a near-tie is under 0.03.
+KV16_NEAR_TIE = 0.03
+# Paths that round to bf16 (dense bf16 weights) move logits by far more: against fp32, bf16
+# dense weights parted from the bundled model's greedy answers at margins up to 0.047
+# (docs/perf.md), so between such paths a near-tie is a margin under 0.1.
 BF16_NEAR_TIE = 0.1
 
 

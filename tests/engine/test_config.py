@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu import build
 from service.engine.config import (
     _CPU_CHOICES,
     CpuDtypes,
@@ -31,7 +32,7 @@ def test_an_explicit_weight_dtype_wins() -> None:
 
 
 def test_auto_on_the_cpu_takes_one_of_the_timed_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(EngineConfig, "keep_stored_int4", lambda self: False)  # dense weights
+    monkeypatch.setattr(EngineConfig, "serve_stored", lambda self: False)  # dense weights
     config = EngineConfig(device="cpu")
     chosen = CpuDtypes(config.torch_dtype(), config.torch_weight_dtype())
     assert chosen in _CPU_CHOICES
@@ -72,11 +73,17 @@ def test_an_unknown_dtype_name_is_refused_by_its_option(option: str) -> None:
         config.torch_dtype() if option == "dtype" else config.torch_weight_dtype()
 
 
-def test_an_engine_with_bf16_weights_keeps_an_fp32_kv_cache(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "pools"), [("auto", torch.float16), ("float32", torch.float32)]
+)
+def test_the_kv_cache_is_float16_on_the_cpu_unless_told_otherwise(
+    tiny_model_dir: Path, kv_cache_dtype: str, pools: torch.dtype
+) -> None:
     config = EngineConfig(
         model=tiny_model_dir,
         dtype="float32",
         weight_dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
         device="cpu",
         num_device_blocks=64,
         num_cpu_blocks=16,
@@ -85,7 +92,7 @@ def test_an_engine_with_bf16_weights_keeps_an_fp32_kv_cache(tiny_model_dir: Path
     )
     engine = LLMEngine(config)
     assert (engine.activation_dtype, engine.weight_dtype) == (torch.float32, torch.bfloat16)
-    assert engine.runner.device_pool.dtype == torch.float32
+    assert engine.runner.device_pool.dtype == engine.runner.cpu_pool.dtype == pools
     prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
     out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
@@ -106,6 +113,19 @@ def test_the_weights_option_names_a_dense_dtype_or_a_packed_format(
 ) -> None:
     config = EngineConfig(dtype="float32", weights=weights, device="cpu")
     assert config.torch_weight_dtype() == dtype
+
+
+def test_a_cpu_kernel_version_is_checked_by_name_then_against_this_cpu() -> None:
+    with pytest.raises(ValueError, match="cpu_isa must be auto or one of"):
+        EngineConfig(cpu_isa="sse2")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of"):
+        EngineConfig(kv_cache_dtype="int8")
+    other = "neon" if build.machine() == "x86_64" else "avx2"
+    with pytest.raises(ValueError, match="unknown CPU kernel version"):
+        EngineConfig(cpu_isa=other).cpu_kernels()
+    chosen = EngineConfig(cpu_isa="generic").cpu_kernels()
+    assert chosen is not None and chosen.isa == "generic"
+    assert EngineConfig(device="cuda").cpu_kernels() is None
 
 
 def test_weights_is_refused_unknown_beside_weight_dtype_or_packed_off_the_cpu() -> None:
@@ -129,8 +149,8 @@ def test_an_engine_with_int4_weights_decodes_and_releases_its_blocks(tiny_model_
         max_num_batched_tokens=64,
     )
     engine = LLMEngine(config)
-    assert engine.runner.model.weights_name == "int4"
-    assert engine.runner.device_pool.dtype == torch.float32
+    assert engine.runner.model.weights_name == "Q4_1"  # what a dense weight quantizes to
+    assert engine.runner.device_pool.dtype == torch.float16
     prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
     out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}

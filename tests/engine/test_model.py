@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import LlamaForCausalLM
 
+from kernels.cpu import dispatch
+from kernels.cpu.formats import WeightType
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import PackedEmbedding, QuantLinear, quantize_int4, quantize_int8
+from service.engine.quant import PackedEmbedding, QuantLinear, quantize
 from tests.tiny_model import ContiguousAttention, make_tiny_llama
 
 CPU = torch.device("cpu")
@@ -212,44 +214,65 @@ def test_model_args_reject_inconsistent_shapes(overrides: dict[str, object]) -> 
         _args(**overrides)
 
 
-def _dequantized_reference(loaded: LoadedModel, bits: int) -> LlamaModel:
+def _dequantized_reference(loaded: LoadedModel, kind: WeightType) -> LlamaModel:
     """The fp32 model over the weights a packed load holds, dequantized: what the kernels
-    must reproduce up to bf16 rounding."""
-    quantize = quantize_int4 if bits == 4 else quantize_int8
+    must reproduce up to fp32 rounding."""
     state = dict(loaded.model.state_dict())
     for name, w in state.items():
         if name.endswith(("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight")):
-            state[name] = quantize(w).dequantize()
+            state[name] = quantize(w, kind).dequantize()
     head = state.get("lm_head.weight", state["embed_tokens.weight"])
-    state["lm_head.weight"] = quantize_int8(head).dequantize()
-    state["embed_tokens.weight"] = quantize_int8(state["embed_tokens.weight"]).dequantize()
+    state["lm_head.weight"] = quantize(head, WeightType.Q8_0).dequantize()
+    state["embed_tokens.weight"] = quantize(
+        state["embed_tokens.weight"], WeightType.Q8_0
+    ).dequantize()
     untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
     return LlamaModel.from_weights(untied, state, torch.float32, CPU)
 
 
-@pytest.mark.parametrize(("weight_dtype", "bits"), [(torch.uint4, 4), (torch.int8, 8)])
+@pytest.mark.parametrize(
+    ("weight_dtype", "kind"), [(torch.uint4, WeightType.Q4_1), (torch.int8, WeightType.Q8_0)]
+)
+@pytest.mark.parametrize("max_packed_tokens", [64, 0], ids=["gemv", "dense"])
 @torch.inference_mode()
 def test_a_hf_model_quantized_at_load_time_packs_every_projection(
-    tiny: tuple[LoadedModel, LlamaForCausalLM], tmp_path: Path, weight_dtype: torch.dtype, bits: int
+    tiny: tuple[LoadedModel, LlamaForCausalLM],
+    tmp_path: Path,
+    weight_dtype: torch.dtype,
+    kind: WeightType,
+    max_packed_tokens: int,
 ) -> None:
-    """Weight-only, per group of 32 (int4) or per row (int8); the LM head is int8 in both,
-    and the embeddings are looked up in int8 rows: a tied model's in the LM head's own."""
+    """int4 quantizes each projection to Q4_1 blocks and int8 to Q8_0; the LM head is Q8_0
+    in both, and the embeddings are looked up in its rows when they are tied. Through the
+    GEMV or the dense path, the logits are the dequantized weights' in fp32."""
     loaded = tiny[0]
     tied = loaded.model.lm_head is None
     directory = make_tiny_llama(tmp_path / "llama", tie_word_embeddings=tied)
+    kernels = dispatch.select("auto")
     packed = load_model(
-        directory, torch.float32, CPU, weight_dtype=weight_dtype, max_packed_tokens=64
-    ).model  # every step here packed
+        directory, torch.float32, CPU, weight_dtype=weight_dtype, kernels=kernels,
+        max_packed_tokens=max_packed_tokens,
+    ).model  # fmt: skip
     projections = [m for m in packed.modules() if isinstance(m, QuantLinear)]
-    assert [m.bits for m in projections] == [bits] * (4 * loaded.args.num_layers) + [8]
+    kinds = [m.kinds for m in projections]
+    assert kinds == [(kind,)] * (4 * loaded.args.num_layers) + [(WeightType.Q8_0,)]
     assert isinstance(packed.lm_head, QuantLinear)
     assert isinstance(packed.embed_tokens, PackedEmbedding)
     if tied:
-        assert packed.embed_tokens.packed.data_ptr() == packed.lm_head.packed.data_ptr()
-    assert packed.weights_name == f"int{bits}"
-    reference = _dequantized_reference(loaded, bits)
+        assert packed.embed_tokens.weight is packed.lm_head.weight.parts[0]  # one table
+    assert packed.weights_name == kind.name
+    reference = _dequantized_reference(loaded, kind)
     ids = _tokens(9, seed=4)
     low = packed.compute_logits(packed(ids, torch.arange(9), ContiguousAttention(2)))
     high = reference.compute_logits(reference(ids, torch.arange(9), ContiguousAttention(2)))
     assert low.dtype == torch.float32
-    assert 0 < _rel_error(low, high) < 0.05  # bf16 rounding, as bf16 weights give
+    assert _rel_error(low, high) < 1e-5  # fp32 roundings in another order
+
+
+def test_packed_weights_need_the_cpu_kernels(tiny: tuple[LoadedModel, LlamaForCausalLM]) -> None:
+    loaded = tiny[0]
+    with pytest.raises(ValueError, match="need the CPU kernels"):
+        LlamaModel.from_weights(
+            loaded.args, dict(loaded.model.state_dict()), torch.float32, CPU,
+            weight_dtype=torch.int8,
+        )  # fmt: skip

@@ -1,0 +1,178 @@
+"""Builds the CPU kernel library: every kernel once per instruction set, one shared library.
+
+The per-ISA sources (quants.c, attention.c, ops.c) are compiled once for each version of
+this architecture with that version's flags and `-DPC_ISA=<name>`, which suffixes every
+exported name (`pc_gemv_avx2`); stack.c and features.c once, for the baseline. Nothing is
+compiled for the machine that builds it (no -march=native): the same file runs on every CPU
+of the architecture, and kernels/cpu/dispatch.py picks the versions when it loads.
+
+Only the standard library here: the Dockerfile's build stage runs it without torch
+(`python -m kernels.cpu.build --output libpagechat_cpu.so`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).with_name("src")
+PER_ISA_SOURCES = ("quants.c", "attention.c", "ops.c")
+ONCE_SOURCES = ("stack.c", "features.c")
+HEADERS = ("pagechat_cpu.h", "simd.h")  # harness.c, a test program, is not in the library
+COMMON_FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno")
+
+
+@dataclass(frozen=True, slots=True)
+class Isa:
+    """One version of the kernels: its name (the symbols' suffix), its compiler flags, and
+    the macro simd.h selects its vocabulary by."""
+
+    name: str
+    flags: tuple[str, ...]
+    macro: str
+
+
+# Each architecture's versions, from the baseline up: dispatch.py prefers the last one the
+# CPU can run (features.c says which).
+ISAS: dict[str, tuple[Isa, ...]] = {
+    "x86_64": (
+        Isa("generic", ("-march=x86-64", "-mtune=generic"), "PC_ISA_GENERIC"),
+        Isa("avx2", ("-march=x86-64-v3", "-mtune=generic"), "PC_ISA_AVX2"),
+        Isa("avx512", ("-march=x86-64-v4", "-mtune=generic"), "PC_ISA_AVX512"),
+        Isa("vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"), "PC_ISA_VNNI"),
+    ),
+    "aarch64": (
+        Isa("generic", ("-march=armv8-a",), "PC_ISA_GENERIC"),
+        Isa("neon", ("-march=armv8.2-a+dotprod",), "PC_ISA_NEON"),
+    ),
+}
+
+
+def machine() -> str:
+    """This process's architecture as ISAS names it."""
+    name = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(name, name)
+
+
+def isas(arch: str) -> tuple[Isa, ...]:
+    if arch not in ISAS:
+        raise ValueError(f"no kernel versions for {arch!r} (only {sorted(ISAS)})")
+    return ISAS[arch]
+
+
+def compile_commands(compiler: str, arch: str, out_dir: Path) -> list[list[str]]:
+    """One command per object: the per-ISA sources once per version, the rest once."""
+    include = f"-I{SOURCE_DIR}"
+    commands = []
+    for isa in isas(arch):
+        for source in PER_ISA_SOURCES:
+            target = out_dir / f"{Path(source).stem}_{isa.name}.o"
+            defines = (f"-D{isa.macro}=1", f"-DPC_ISA={isa.name}")
+            commands.append(
+                [compiler, *COMMON_FLAGS, *isa.flags, *defines, include, "-c",
+                 str(SOURCE_DIR / source), "-o", str(target)]
+            )  # fmt: skip
+    baseline = isas(arch)[0].flags
+    for source in ONCE_SOURCES:
+        target = out_dir / f"{Path(source).stem}.o"
+        commands.append(
+            [compiler, *COMMON_FLAGS, *baseline, include, "-c", str(SOURCE_DIR / source),
+             "-o", str(target)]
+        )  # fmt: skip
+    return commands
+
+
+def objects(commands: list[list[str]]) -> list[str]:
+    return [command[command.index("-o") + 1] for command in commands]
+
+
+def source_key(compiler: str, arch: str) -> str:
+    """What decides the library's bytes: the sources, the flags and the compiler's version."""
+    digest = hashlib.sha256()
+    for name in (*PER_ISA_SOURCES, *ONCE_SOURCES, *HEADERS):
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    for command in compile_commands("cc", arch, Path("/")):
+        digest.update(" ".join(command[1:]).encode())
+    digest.update(version.encode() + arch.encode())
+    return digest.hexdigest()[:16]
+
+
+def build(compiler: str, output: Path, arch: str | None = None, jobs: int = 2) -> Path:
+    """Compile every object (`jobs` at a time) and link them into `output`, written beside
+    it and renamed, so that a concurrent start never loads half a file."""
+    arch = arch or machine()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent) as work:
+        commands = compile_commands(compiler, arch, Path(work))
+        _run_all(commands, jobs)
+        tmp = Path(work) / output.name
+        subprocess.run(
+            [compiler, "-shared", "-pthread", "-o", str(tmp), *objects(commands), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(tmp, output)
+    return output
+
+
+def build_harness(compiler: str, output: Path, arch: str, jobs: int = 2) -> Path:
+    """The kernels with harness.c as one static program (src/harness.c says what it runs):
+    for an architecture this process cannot load a library of, run under qemu-user."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent) as work:
+        commands = compile_commands(compiler, arch, Path(work))
+        harness = Path(work) / "harness.o"
+        include = f"-I{SOURCE_DIR}"
+        baseline = isas(arch)[0].flags
+        commands.append(
+            [compiler, *COMMON_FLAGS, *baseline, include, "-c", str(SOURCE_DIR / "harness.c"),
+             "-o", str(harness)]
+        )  # fmt: skip
+        _run_all(commands, jobs)
+        subprocess.run(
+            [compiler, "-static", "-pthread", "-o", str(output), *objects(commands), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    return output
+
+
+def _run_all(commands: list[list[str]], jobs: int) -> None:
+    running: list[subprocess.Popen[bytes]] = []
+    pending = list(commands)
+    while pending or running:
+        while pending and len(running) < max(jobs, 1):
+            running.append(
+                subprocess.Popen(pending.pop(0), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            )
+        process = running.pop(0)
+        _, err = process.communicate(timeout=300)
+        if process.returncode:
+            for other in running:
+                other.kill()
+            raise subprocess.CalledProcessError(process.returncode, process.args, stderr=err)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--compiler", default=os.environ.get("CC", "cc"))
+    parser.add_argument("--arch", default=machine(), choices=sorted(ISAS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    print(build(args.compiler, args.output, args.arch, args.jobs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The weight formats the CPU kernels read: GGUF blocks exactly as a GGUF file stores them.
+
+A weight [n, k] of a `WeightType` is n rows of `row_bytes(type, k)` bytes, each row k /
+`block_elements` blocks in ggml's layout (fp16 scales and mins as stored). The loader hands
+a file's tensors over as they are; a dense weight is quantized into one of these types
+(service/engine/quant.py). `Blocks` is one such weight; `random_blocks` makes valid ones
+for probes and tests (finite fp16 scales, any bits elsewhere).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class WeightType(enum.IntEnum):
+    """The GGUF types the kernels serve, numbered as ggml numbers them."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+
+# (elements, bytes) per block, and where each block keeps its fp16 scales (byte offsets).
+BLOCKS: dict[WeightType, tuple[int, int]] = {
+    WeightType.Q4_0: (32, 18),
+    WeightType.Q4_1: (32, 20),
+    WeightType.Q5_0: (32, 22),
+    WeightType.Q8_0: (32, 34),
+    WeightType.Q4_K: (256, 144),
+    WeightType.Q5_K: (256, 176),
+    WeightType.Q6_K: (256, 210),
+}
+_SCALE_OFFSETS: dict[WeightType, tuple[int, ...]] = {
+    WeightType.Q4_0: (0,),
+    WeightType.Q4_1: (0, 2),
+    WeightType.Q5_0: (0,),
+    WeightType.Q8_0: (0,),
+    WeightType.Q4_K: (0, 2),
+    WeightType.Q5_K: (0, 2),
+    WeightType.Q6_K: (208,),
+}
+# Bits per weight as stored, scales included (for memory figures and logs).
+BITS_PER_WEIGHT = {t: bytes_ * 8 / elements for t, (elements, bytes_) in BLOCKS.items()}
+
+
+def block_elements(kind: WeightType) -> int:
+    return BLOCKS[kind][0]
+
+
+def row_bytes(kind: WeightType, k: int) -> int:
+    elements, bytes_ = BLOCKS[kind]
+    if k % elements:
+        raise ValueError(f"{kind.name} takes rows of whole blocks of {elements}, not {k}")
+    return k // elements * bytes_
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """A weight [n, k] in `kind`'s blocks: `data` [n, row_bytes] uint8, contiguous, on the
+    CPU. Rows are outputs: permuting or stacking rows moves whole blocks."""
+
+    kind: WeightType
+    data: Tensor
+    k: int
+
+    def __post_init__(self) -> None:
+        width = row_bytes(self.kind, self.k)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != width:
+            raise ValueError(
+                f"{self.kind.name} [n, {self.k}] needs data [n, {width}] uint8, "
+                f"got {tuple(self.data.shape)} {self.data.dtype}"
+            )
+        if not self.data.is_contiguous() or self.data.device.type != "cpu":
+            raise ValueError("block data must be a contiguous CPU tensor")
+
+    @property
+    def n(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, index: Tensor) -> Blocks:
+        """The rows `index` selects, in its order (a permutation, a slice of outputs)."""
+        return Blocks(self.kind, self.data.index_select(0, index).contiguous(), self.k)
+
+
+def random_blocks(kind: WeightType, n: int, k: int, generator: torch.Generator) -> Blocks:
+    """A valid weight of random values: random bits, with each fp16 scale replaced by one of
+    magnitude ~2^-6 (so that a row's products stay near 1) and signs at random."""
+    data = torch.randint(0, 256, (n, row_bytes(kind, k)), generator=generator, dtype=torch.uint8)
+    elements, bytes_ = BLOCKS[kind]
+    blocks = data.view(n, k // elements, bytes_)
+    for offset in _SCALE_OFFSETS[kind]:
+        scale = torch.rand(n, k // elements, generator=generator) * 0.03 + 0.001
+        sign = torch.randint(0, 2, scale.shape, generator=generator) * 2 - 1
+        half = (scale * sign).to(torch.float16).view(torch.uint8).view(n, k // elements, 2)
+        blocks[..., offset : offset + 2] = half
+    return Blocks(kind, data, k)

@@ -1,0 +1,257 @@
+"""Typed wrappers of the CPU kernels, over torch tensors: each checks shapes, dtypes and layout,
+then calls the version a `KernelSet` chose (kernels/cpu/dispatch.py).
+
+Every wrapper runs on the calling thread, except `gemv_threads`, which may split its rows with
+the library's helper thread.
+
+NOTE: nothing here splits work across threads of torch's: with two torch threads, torch's
+OpenMP worker spins for a while after each op, and a thread of ours for the other half
+fought it for the second core (a batch-1 step: 35 ms, not 15).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kernels.cpu.formats import Blocks
+
+if TYPE_CHECKING:
+    from kernels.cpu.dispatch import KernelSet
+
+# Element types of caches and dense outputs, as pagechat_cpu.h numbers them.
+ELEMENT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MAX_HEAD_DIM = 512
+MAX_PARTS = 3
+
+_OK, _NO_MEMORY, _BAD_SHAPE = 0, 1, 2
+
+
+class CWeight(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class CProjection(ctypes.Structure):
+    _fields_ = [
+        ("part", CWeight * MAX_PARTS),
+        ("parts", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class CAttention(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("cache_type", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+        ("slot_stride", ctypes.c_int64),
+        ("seq_lens", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("scores", ctypes.c_void_p),
+        ("hq", ctypes.c_int64),
+        ("hkv", ctypes.c_int64),
+        ("d", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("peaks", ctypes.c_void_p),
+        ("totals", ctypes.c_void_p),
+    ]
+
+
+def projection(parts: Sequence[Blocks]) -> CProjection:
+    """Weights of one k whose outputs follow one another, as the C side reads them. The
+    caller keeps the parts' tensors alive while it is in use."""
+    if not 1 <= len(parts) <= MAX_PARTS or len({p.k for p in parts}) != 1:
+        raise ValueError(f"a projection is 1 to {MAX_PARTS} weights of one k")
+    out = CProjection(parts=len(parts), n=sum(p.n for p in parts), k=parts[0].k)
+    for slot, p in zip(out.part, parts, strict=False):
+        slot.type, slot.n, slot.k = int(p.kind), p.n, p.k
+        slot.row_bytes, slot.data = p.data.shape[1], p.data.data_ptr()
+    return out
+
+
+def _check(t: Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], name: str) -> None:
+    if tuple(t.shape) != shape or t.dtype not in dtypes:
+        raise ValueError(f"{name} {tuple(t.shape)} {t.dtype}, want {shape} in {dtypes}")
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: the CPU kernels take contiguous CPU tensors")
+
+
+def _input(x: Tensor, k: int) -> Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise ValueError(f"input {tuple(x.shape)} {x.dtype} for weights of k = {k}")
+    return x.contiguous()
+
+
+def gemv(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
+    """x [m, k] fp32 times a weight [n, k]: [m, n] fp32, each output an fp32 dot product of
+    the input with the weight row as gguf dequantizes it."""
+    x = _input(x, weight.k)
+    y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    kernels.fn("gemv")(
+        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
+        x.shape[0], weight.k, y.data_ptr(), weight.n, 0, weight.n,
+    )  # fmt: skip
+    return y
+
+
+def gemv_threads(kernels: KernelSet, parts: Sequence[Blocks], x: Tensor, threads: int) -> Tensor:
+    """`gemv` over weights whose outputs follow one another ([m, sum of n]), the rows split
+    with the library's helper thread where `threads` is 2 and the helper is free."""
+    weights = projection(parts)
+    x = _input(x, weights.k)
+    y = torch.empty(x.shape[0], weights.n, dtype=torch.float32)
+    kernels.lib.pc_gemv_threads(
+        ctypes.byref(kernels.table), ctypes.byref(weights), x.data_ptr(), x.shape[0],
+        y.data_ptr(), threads,
+    )  # fmt: skip
+    return y
+
+
+def dequantize(kernels: KernelSet, weight: Blocks, rows: tuple[int, int], out: Tensor) -> Tensor:
+    """Weight rows [rows) dense into `out` [rows, k] (fp32 or bf16), overwritten and returned."""
+    first, last = rows
+    if not 0 <= first < last <= weight.n:
+        raise ValueError(f"rows {rows} of a weight of {weight.n}")
+    _check(out, (last - first, weight.k), (torch.float32, torch.bfloat16), "out")
+    status = kernels.fn("dequant")(
+        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], weight.k, first, last,
+        out.data_ptr(), weight.k, ELEMENT_TYPES[out.dtype],
+    )  # fmt: skip
+    _raise_for(status, "dequant")
+    return out
+
+
+def dequantize_rows(kernels: KernelSet, weight: Blocks, ids: Tensor) -> Tensor:
+    """Rows `ids` [count] of a weight, dense fp32 [count, k]: an embedding lookup."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"row ids {tuple(ids.shape)} {ids.dtype}")
+    ids = ids.contiguous()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < weight.n:
+        raise ValueError(f"row ids outside [0, {weight.n})")
+    out = torch.empty(ids.numel(), weight.k, dtype=torch.float32)
+    status = kernels.fn("dequant_rows")(
+        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], weight.k,
+        ids.data_ptr(), ids.numel(), out.data_ptr(),
+    )  # fmt: skip
+    _raise_for(status, "dequant_rows")
+    return out
+
+
+def rms_norm(kernels: KernelSet, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of each row of x [..., d] scaled by weight [d], fp32 in and out. Not checked
+    beyond dtype and shape: it runs twice a layer, on the model's own CPU tensors."""
+    d = weight.shape[0]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != d:
+        raise ValueError(f"rms_norm of {tuple(x.shape)} {x.dtype} by {tuple(weight.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    kernels.fn("rms_norm")(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+    return out
+
+
+def silu_mul(kernels: KernelSet, gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up of gate_up [m, 2 inter] (each row [gate; up]): [m, inter] fp32."""
+    if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
+    gate_up = gate_up.contiguous()
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, inter, dtype=torch.float32)
+    kernels.fn("silu_mul")(gate_up.data_ptr(), out.data_ptr(), inter, 0, m * inter)
+    return out
+
+
+def _check_cache(key_cache: Tensor, value_cache: Tensor) -> tuple[int, int]:
+    """(hkv, d) of a pool's layer caches [blocks, block_size, hkv, d]."""
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError("the K and V caches differ in shape or dtype")
+    if key_cache.dim() != 4 or key_cache.dtype not in ELEMENT_TYPES:
+        raise ValueError(f"cache {tuple(key_cache.shape)} {key_cache.dtype}")
+    for cache in (key_cache, value_cache):
+        if not cache.is_contiguous() or cache.device.type != "cpu":
+            raise ValueError("the caches must be contiguous CPU tensors")
+    hkv, d = key_cache.shape[2], key_cache.shape[3]
+    if d % 16 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head size {d}: the kernels take multiples of 16 up to {MAX_HEAD_DIM}")
+    return hkv, d
+
+
+def rope_write(
+    kernels: KernelSet,
+    qkv: Tensor,  # [m, (hq + 2 hkv) d] fp32, rotated in place
+    num_q_heads: int,
+    cos: Tensor,  # [m, d] fp32
+    sin: Tensor,  # [m, d] fp32, signed for rotate_half
+    slots: Tensor,  # [m] int64
+    key_cache: Tensor,  # [blocks, block_size, hkv, d]
+    value_cache: Tensor,
+) -> None:
+    """Q and K of each row rotated in place, then K and V written to the row's cache slot."""
+    hkv, d = _check_cache(key_cache, value_cache)
+    m = qkv.shape[0]
+    _check(qkv, (m, (num_q_heads + 2 * hkv) * d), (torch.float32,), "qkv")
+    _check(cos, (m, d), (torch.float32,), "cos")
+    _check(sin, (m, d), (torch.float32,), "sin")
+    _check(slots, (m,), (torch.int64,), "slots")
+    if (
+        m
+        and not 0 <= int(slots.min()) <= int(slots.max()) < key_cache.shape[0] * key_cache.shape[1]
+    ):
+        raise ValueError("a write slot outside the cache")
+    kernels.fn("rope_write")(
+        qkv.data_ptr(), m, qkv.shape[1], num_q_heads, hkv, d, cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        ELEMENT_TYPES[key_cache.dtype],
+    )  # fmt: skip
+
+
+def paged_decode(
+    kernels: KernelSet,
+    query: Tensor,  # [B, Hq, D] fp32
+    key_cache: Tensor,  # [N, bs, Hkv, D] fp32, fp16 or bf16, contiguous
+    value_cache: Tensor,
+    slots: Tensor,  # [B, C] int64: row b's first seq_lens[b] entries are its context slots
+    seq_lens: Tensor,  # [B] int64, each in 1..C
+    scale: float,
+) -> Tensor:  # [B, Hq, D] fp32
+    """Each sequence's one new query over its whole context, read in place through its cache
+    slots (no gathered K/V copy, no padding computed). The caller guarantees the slots were
+    written (the plan's); their values are not checked here, only shapes, dtypes, layout."""
+    hkv, d = _check_cache(key_cache, value_cache)
+    b, hq = query.shape[0], query.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads over {hkv} KV heads")
+    query = query.contiguous()
+    _check(query, (b, hq, d), (torch.float32,), "query")
+    _check(slots, (b, slots.shape[1] if slots.dim() == 2 else -1), (torch.int64,), "slots")
+    _check(seq_lens, (b,), (torch.int64,), "seq_lens")
+    out = torch.empty_like(query)
+    scores = torch.empty(hq * max(slots.shape[1], 1), dtype=torch.float32)
+    attention = CAttention(
+        q=query.data_ptr(), q_stride=hq * d, k_cache=key_cache.data_ptr(),
+        v_cache=value_cache.data_ptr(), cache_type=ELEMENT_TYPES[key_cache.dtype],
+        slots=slots.data_ptr(), slot_stride=slots.shape[1], seq_lens=seq_lens.data_ptr(),
+        out=out.data_ptr(), scores=scores.data_ptr(), hq=hq, hkv=hkv, d=d, scale=scale,
+    )  # fmt: skip
+    _raise_for(kernels.fn("attend")(ctypes.byref(attention), 0, b, 0), "attend")
+    return out
+
+
+def _raise_for(status: int, kernel: str) -> None:
+    if status == _NO_MEMORY:
+        raise MemoryError(f"the {kernel} kernel could not allocate")
+    if status:
+        raise ValueError(f"the {kernel} kernel declined these shapes (status {status})")

@@ -1,0 +1,92 @@
+/* Decode attention straight through the paged KV cache: for each row (a sequence's one new
+   token) and query head h, out[h] = softmax(scale q[h] . k[slot]) . v[slot] over the row's
+   context slots, read in place (no gathered copy of K/V, no padded SDPA). The cache holds
+   fp32, fp16 or bf16; each K and V element is widened to fp32 as it is loaded, and all
+   arithmetic is fp32. Query head h reads KV head h / (hq / hkv). */
+#include "pagechat_cpu.h"
+#include "simd.h"
+
+#define V_VECTORS 4 /* output vectors of one head accumulated in registers at a time */
+
+/* VF_W elements of a cache of `type` from element `at`, as fp32 */
+static inline __attribute__((always_inline)) vf load_kv(const void *cache, int64_t at,
+                                                        const int64_t type) {
+    if (type == PC_F16) return vf_load_f16((const uint16_t *)cache + at);
+    if (type == PC_BF16) return vf_load_bf16((const uint16_t *)cache + at);
+    return vf_load((const float *)cache + at);
+}
+
+/* One row's attention over `len` context slots `ctx`: out [hq, d] from q [hq, d]. Where
+   peaks is set, each head's largest score and softmax sum go there (a part of the context,
+   merged with the other part's by pc_merge). */
+static inline __attribute__((always_inline)) void attend_one(
+    const pc_attention *a, const float *q, const int64_t *ctx, int64_t len, float *out,
+    float *peaks, float *totals, const int64_t type) {
+    const int64_t hq = a->hq, hkv = a->hkv, d = a->d, group = hq / hkv;
+    float *scores = a->scores; /* [hq, len] */
+    for (int64_t c = 0; c < len; c++) {
+        const int64_t slot = ctx[c] * hkv * d;
+        for (int64_t h = 0; h < hq; h++) {
+            const int64_t k_at = slot + h / group * d;
+            vf acc = vf_zero();
+            for (int64_t i = 0; i < d; i += VF_W)
+                acc = vf_fma(vf_load(q + h * d + i), load_kv(a->k_cache, k_at + i, type), acc);
+            scores[h * len + c] = a->scale * vf_sum(acc);
+        }
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        float *s = scores + h * len;
+        float peak = s[0], total = 0.0f;
+        for (int64_t c = 1; c < len; c++) peak = s[c] > peak ? s[c] : peak;
+        for (int64_t c = 0; c < len; c++) s[c] = exp_nonpositive(s[c] - peak);
+        for (int64_t c = 0; c < len; c++) total += s[c];
+        if (peaks) peaks[h] = peak, totals[h] = total;
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < len; c++) s[c] *= inv;
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        const float *p = scores + h * len;
+        const int64_t head = h / group * d;
+        for (int64_t i0 = 0; i0 < d; i0 += V_VECTORS * VF_W) {
+            const int64_t vectors =
+                d - i0 < V_VECTORS * VF_W ? (d - i0) / VF_W : V_VECTORS;
+            vf acc[V_VECTORS];
+            for (int v = 0; v < V_VECTORS; v++) acc[v] = vf_zero();
+            for (int64_t c = 0; c < len; c++) {
+                const vf weight = vf_set1(p[c]);
+                const int64_t v_at = ctx[c] * hkv * d + head + i0;
+                for (int v = 0; v < V_VECTORS; v++)
+                    if (v < vectors)
+                        acc[v] = vf_fma(weight, load_kv(a->v_cache, v_at + v * VF_W, type), acc[v]);
+            }
+            for (int v = 0; v < V_VECTORS; v++)
+                if (v < vectors) vf_store(out + h * d + i0 + v * VF_W, acc[v]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_typed(const pc_attention *a,
+                                                               int64_t begin, int64_t end,
+                                                               int64_t context_range,
+                                                               const int64_t type) {
+    if (context_range) {
+        attend_one(a, a->q, a->slots + begin, end - begin, a->out, a->peaks, a->totals, type);
+        return;
+    }
+    for (int64_t r = begin; r < end; r++)
+        attend_one(a, a->q + r * a->q_stride, a->slots + r * a->slot_stride, a->seq_lens[r],
+                   a->out + r * a->hq * a->d, NULL, NULL, type);
+}
+
+/* Rows [begin, end) of `a`; or, where context_range is set, row 0's context positions
+   [begin, end), with its heads' peaks and totals recorded. Returns PC_BAD_SHAPE for a head
+   size the vectors do not divide or a cache type not served. */
+int64_t PC_FN(attend)(const pc_attention *a, int64_t begin, int64_t end, int64_t context_range) {
+    if (a->d % 16 || a->d > PC_MAX_HEAD_DIM || a->hkv < 1 || a->hq % a->hkv) return PC_BAD_SHAPE;
+    switch (a->cache_type) {
+    case PC_F32: attend_typed(a, begin, end, context_range, PC_F32); return PC_OK;
+    case PC_F16: attend_typed(a, begin, end, context_range, PC_F16); return PC_OK;
+    case PC_BF16: attend_typed(a, begin, end, context_range, PC_BF16); return PC_OK;
+    default: return PC_BAD_SHAPE;
+    }
+}

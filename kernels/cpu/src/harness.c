@@ -1,0 +1,167 @@
+/* A command-line harness over the kernels, for CPUs the test suite cannot load a library on:
+   tests/kernels/test_arm64.py cross-compiles it with every arm64 version and runs it under
+   qemu-user, one kernel call per run, on inputs the test wrote and checks against torch.
+
+     harness runs                         the versions this CPU runs, one a line
+     harness ISA gemv TYPE M N K THREADS W X Y
+     harness ISA dequant TYPE N K W OUT
+     harness ISA attend CACHE B HQ HKV D C SCALE Q KC VC SLOTS LENS OUT
+     harness ISA rope_write CACHE M HQ HKV D CACHE_SLOTS QKV COS SIN SLOTS KC VC QKV' KC' VC'
+     harness ISA rms_norm ROWS D EPS X W OUT
+     harness ISA silu_mul M INTER GATE_UP OUT
+
+   Inputs and outputs are raw little-endian files (a primed name is the output of what the
+   unprimed one held). gemv with THREADS 2 runs pc_gemv_threads and its helper thread. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pagechat_cpu.h"
+
+int64_t pc_cpu_runs(const char *isa);
+void pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                     int64_t m, float *y, int64_t threads);
+
+#define DECLARE(isa)                                                                               \
+    void pc_gemv_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,        \
+                       float *, int64_t, int64_t, int64_t);                                        \
+    int64_t pc_dequant_##isa(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *, \
+                             int64_t, int64_t);                                                    \
+    int64_t pc_attend_##isa(const pc_attention *, int64_t, int64_t, int64_t);                      \
+    void pc_rms_norm_##isa(const float *, const float *, float *, int64_t, int64_t, float);        \
+    void pc_rope_write_##isa(float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *,  \
+                             const float *, const int64_t *, void *, void *, int64_t);             \
+    void pc_silu_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);
+
+typedef struct {
+    const char *name;
+    pc_kernels kernels;
+    int64_t (*dequant)(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *,
+                       int64_t, int64_t);
+} version;
+
+#define VERSION(isa)                                                                               \
+    {#isa,                                                                                         \
+     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa}, \
+     pc_dequant_##isa}
+
+#if defined(__aarch64__)
+DECLARE(generic)
+DECLARE(neon)
+static const version versions[] = {VERSION(generic), VERSION(neon)};
+#else
+DECLARE(generic)
+DECLARE(avx2)
+DECLARE(avx512)
+DECLARE(vnni)
+static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512),
+                                   VERSION(vnni)};
+#endif
+#define VERSIONS ((int)(sizeof versions / sizeof versions[0]))
+
+static void *load(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        perror(path);
+        exit(2);
+    }
+    fseek(f, 0, SEEK_END);
+    const long length = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    void *data = malloc((size_t)length + 1);
+    if (data == NULL || fread(data, 1, (size_t)length, f) != (size_t)length) exit(2);
+    fclose(f);
+    if (size) *size = (size_t)length;
+    return data;
+}
+
+static void save(const char *path, const void *data, size_t size) {
+    FILE *f = fopen(path, "wb");
+    if (f == NULL || fwrite(data, 1, size, f) != size) {
+        perror(path);
+        exit(2);
+    }
+    fclose(f);
+}
+
+static int64_t num(const char *s) { return strtoll(s, NULL, 10); }
+
+static size_t element_size(int64_t type) { return type == PC_F32 ? 4 : 2; }
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "runs") == 0) {
+        for (int i = 0; i < VERSIONS; i++)
+            if (pc_cpu_runs(versions[i].name)) printf("%s\n", versions[i].name);
+        return 0;
+    }
+    if (argc < 3) return 2;
+    const version *v = NULL;
+    for (int i = 0; i < VERSIONS; i++)
+        if (strcmp(argv[1], versions[i].name) == 0) v = &versions[i];
+    if (v == NULL) return 2;
+    const char *op = argv[2];
+    char **a = argv + 3;
+    const int n = argc - 3;
+    if (strcmp(op, "gemv") == 0 && n == 8) {
+        const int64_t type = num(a[0]), m = num(a[1]), rows = num(a[2]), k = num(a[3]);
+        const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
+        const uint8_t *w = load(a[5], NULL);
+        const float *x = load(a[6], NULL);
+        float *y = malloc(sizeof(float) * (size_t)(m * rows));
+        const pc_projection p = {.part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows,
+                                 .k = k};
+        pc_gemv_threads(&v->kernels, &p, x, m, y, num(a[4]));
+        save(a[7], y, sizeof(float) * (size_t)(m * rows));
+        return 0;
+    }
+    if (strcmp(op, "dequant") == 0 && n == 5) {
+        const int64_t type = num(a[0]), rows = num(a[1]), k = num(a[2]);
+        const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
+        float *out = malloc(sizeof(float) * (size_t)(rows * k));
+        if (v->dequant(type, load(a[3], NULL), row_bytes, k, 0, rows, out, k, PC_F32)) return 1;
+        save(a[4], out, sizeof(float) * (size_t)(rows * k));
+        return 0;
+    }
+    if (strcmp(op, "attend") == 0 && n == 13) {
+        const int64_t b = num(a[1]), hq = num(a[2]), d = num(a[4]), context = num(a[5]);
+        float *out = malloc(sizeof(float) * (size_t)(b * hq * d));
+        float *scores = malloc(sizeof(float) * (size_t)(hq * context));
+        const pc_attention att = {.q = load(a[7], NULL), .q_stride = hq * d,
+                                  .k_cache = load(a[8], NULL), .v_cache = load(a[9], NULL),
+                                  .cache_type = num(a[0]), .slots = load(a[10], NULL),
+                                  .slot_stride = context, .seq_lens = load(a[11], NULL),
+                                  .out = out, .scores = scores, .hq = hq, .hkv = num(a[3]),
+                                  .d = d, .scale = strtof(a[6], NULL)};
+        if (v->kernels.attend(&att, 0, b, 0)) return 1;
+        save(a[12], out, sizeof(float) * (size_t)(b * hq * d));
+        return 0;
+    }
+    if (strcmp(op, "rope_write") == 0 && n == 15) {
+        const int64_t cache = num(a[0]), m = num(a[1]), hq = num(a[2]), hkv = num(a[3]);
+        const int64_t d = num(a[4]), slots = num(a[5]);
+        float *qkv = load(a[6], NULL);
+        void *kc = load(a[10], NULL), *vc = load(a[11], NULL);
+        v->kernels.rope_write(qkv, m, (hq + 2 * hkv) * d, hq, hkv, d, load(a[7], NULL),
+                              load(a[8], NULL), load(a[9], NULL), kc, vc, cache);
+        save(a[12], qkv, sizeof(float) * (size_t)(m * (hq + 2 * hkv) * d));
+        save(a[13], kc, element_size(cache) * (size_t)(slots * hkv * d));
+        save(a[14], vc, element_size(cache) * (size_t)(slots * hkv * d));
+        return 0;
+    }
+    if (strcmp(op, "rms_norm") == 0 && n == 6) {
+        const int64_t rows = num(a[0]), d = num(a[1]);
+        float *out = malloc(sizeof(float) * (size_t)(rows * d));
+        v->kernels.rms_norm(load(a[3], NULL), load(a[4], NULL), out, rows, d, strtof(a[2], NULL));
+        save(a[5], out, sizeof(float) * (size_t)(rows * d));
+        return 0;
+    }
+    if (strcmp(op, "silu_mul") == 0 && n == 4) {
+        const int64_t m = num(a[0]), inter = num(a[1]);
+        float *out = malloc(sizeof(float) * (size_t)(m * inter));
+        v->kernels.silu_mul(load(a[2], NULL), out, inter, 0, m * inter);
+        save(a[3], out, sizeof(float) * (size_t)(m * inter));
+        return 0;
+    }
+    fprintf(stderr, "unknown command or arguments: %s (%d)\n", op, n);
+    return 2;
+}

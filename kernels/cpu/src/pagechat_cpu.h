@@ -1,0 +1,148 @@
+/* pagechat's CPU kernel layer: the types every source file and kernels/cpu's Python share.
+
+   Each kernel is compiled once per instruction set into the same library (kernels/cpu/build.py):
+   kernels.c as pc_<kernel>_<isa> for isa in generic, avx2, avx512, vnni (x86-64) or generic,
+   neon (arm64). Which version runs is chosen when the process starts, kernel by kernel, from
+   what the CPU can execute (features.c) and a probe of each version against the generic one
+   (kernels/cpu/dispatch.py). stack.c, compiled once, runs a whole decode step through a
+   table of the chosen versions (pc_kernels).
+
+   Weights are GGUF blocks exactly as a GGUF file stores them (ggml's block layouts, fp16
+   scales and mins as stored): a weight [n, k] is n rows of k / block_elements(type) blocks. */
+#ifndef PAGECHAT_CPU_H
+#define PAGECHAT_CPU_H
+
+#include <stdint.h>
+
+/* Weight types, numbered as ggml numbers them (GGMLQuantizationType). */
+enum {
+    PC_Q4_0 = 2,
+    PC_Q4_1 = 3,
+    PC_Q5_0 = 6,
+    PC_Q8_0 = 8,
+    PC_Q4_K = 12,
+    PC_Q5_K = 13,
+    PC_Q6_K = 14,
+};
+
+/* The largest head size the attention and RoPE kernels take (a multiple of 16). */
+#define PC_MAX_HEAD_DIM 512
+
+/* Element types of the KV cache and of dense outputs. */
+enum { PC_F32 = 0, PC_F16 = 1, PC_BF16 = 2 };
+
+/* Status codes every entry point returns. */
+enum {
+    PC_OK = 0,
+    PC_NO_MEMORY = 1,
+    PC_BAD_SHAPE = 2,   /* a type, dimension or alignment the kernel does not take */
+    PC_OUT_OF_POOL = 3, /* a slot, block or length outside the KV pool */
+};
+
+/* One layer's attention over the paged cache, for a range of a step's rows (or of one row's
+   context positions: `pc_attend`'s `context_range`). */
+typedef struct {
+    const float *q;  /* row r's query heads at q + r * q_stride: [hq, d] */
+    int64_t q_stride;
+    const void *k_cache, *v_cache; /* [slots, hkv, d] of cache_type */
+    int64_t cache_type;
+    const int64_t *slots; /* row r's context slots at slots + r * slot_stride, in order */
+    int64_t slot_stride;
+    const int64_t *seq_lens; /* [rows]: each row's context length, its new token included */
+    float *out;              /* row r's output at out + r * hq * d */
+    float *scores;           /* work: hq * slot_stride floats for the calling thread */
+    int64_t hq, hkv, d;
+    float scale;
+    /* context_range only: each head's largest score and its softmax's sum, for pc_merge */
+    float *peaks, *totals;
+} pc_attention;
+
+/* The kernels a decode step runs, one version each (dispatch.py fills it). */
+typedef void (*pc_gemv_fn)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
+                           int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                           int64_t n_end);
+typedef int64_t (*pc_attend_fn)(const pc_attention *a, int64_t begin, int64_t end,
+                                int64_t context_range);
+typedef void (*pc_rms_norm_fn)(const float *x, const float *w, float *out, int64_t rows,
+                               int64_t d, float eps);
+typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq,
+                                 int64_t hkv, int64_t d, const float *cos, const float *sin,
+                                 const int64_t *slots, void *k_cache, void *v_cache,
+                                 int64_t cache_type);
+typedef void (*pc_silu_mul_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
+                               int64_t end);
+
+typedef struct {
+    pc_gemv_fn gemv;
+    pc_attend_fn attend;
+    pc_rms_norm_fn rms_norm;
+    pc_rope_write_fn rope_write;
+    pc_silu_mul_fn silu_mul;
+} pc_kernels;
+
+/* A weight: GGUF blocks, n rows of row_bytes. */
+typedef struct {
+    int64_t type, n, k, row_bytes;
+    const uint8_t *data;
+} pc_weight;
+
+/* A projection: up to three weights of one k whose outputs follow one another (a fused qkv
+   whose parts a file stores in different types, as Q4_K_M files store V in Q6_K). */
+#define PC_MAX_PARTS 3
+typedef struct {
+    pc_weight part[PC_MAX_PARTS];
+    int64_t parts, n, k; /* n: the parts' rows together */
+} pc_projection;
+
+/* One decoder layer as pc_decode_layers reads it. */
+typedef struct {
+    pc_projection proj[4]; /* qkv, o_proj, gate_up, down */
+    const float *attn_norm, *mlp_norm;
+    void *k_cache, *v_cache; /* [slots, hkv, d] of the shape's cache_type */
+} pc_decoder_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_q_heads, num_kv_heads, head_dim;
+    float rms_norm_eps, scale;
+    int64_t cache_blocks, block_size, cache_type; /* the KV pool's, every layer's alike */
+} pc_decoder_shape;
+
+/* Elements per block and bytes per block of a weight type; 0 for a type not served. */
+static inline int64_t pc_block_elements(int64_t type) {
+    switch (type) {
+    case PC_Q4_0:
+    case PC_Q4_1:
+    case PC_Q5_0:
+    case PC_Q8_0:
+        return 32;
+    case PC_Q4_K:
+    case PC_Q5_K:
+    case PC_Q6_K:
+        return 256;
+    default:
+        return 0;
+    }
+}
+
+static inline int64_t pc_block_bytes(int64_t type) {
+    switch (type) {
+    case PC_Q4_0:
+        return 18;
+    case PC_Q4_1:
+        return 20;
+    case PC_Q5_0:
+        return 22;
+    case PC_Q8_0:
+        return 34;
+    case PC_Q4_K:
+        return 144;
+    case PC_Q5_K:
+        return 176;
+    case PC_Q6_K:
+        return 210;
+    default:
+        return 0;
+    }
+}
+
+#endif

@@ -1,0 +1,382 @@
+/* A whole decode step's decoder layers in one call, and the helper thread that takes half of
+   its work. Compiled once: every kernel it runs comes through a pc_kernels table of the
+   versions dispatch.py chose for this CPU.
+
+   Per layer: RMSNorm, the fused qkv GEMV, RoPE on Q and K with K/V written to their slots,
+   attention over each row's context, o_proj, the residual, RMSNorm, gate_up, SiLU(gate) * up,
+   down, the residual. The same arithmetic as the torch path op for op (model.py), without its
+   ~25 small ops a layer: at one row those cost as much as the layer's matmuls. */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pagechat_cpu.h"
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* ---- the helper thread ----------------------------------------------------------------- */
+/* A second thread for a call's work: each GEMV's weight rows, the attention's rows (or a lone
+   row's context) and SiLU's elements are split between the calling thread and this helper.
+   While a call runs the helper spins between parts (a futex wake-up per part, ~120 a step,
+   would cost more than the split saves); between calls it sleeps on a condition variable, so
+   an idle engine leaves the core to the event loop. One call at a time uses it (a second
+   engine in the process runs its call on one thread). */
+
+typedef enum {
+    PART_GEMV,              /* weight rows of one projection */
+    PART_ATTENTION_ROWS,    /* rows of the batch */
+    PART_ATTENTION_CONTEXT, /* context positions of row 0 */
+    PART_SILU_MUL,          /* elements of SiLU(gate) * up, [m, intermediate] */
+} part_kind;
+
+typedef struct {
+    part_kind kind;
+    const pc_kernels *kernels;
+    int64_t begin, end;
+    const pc_projection *weight; /* PART_GEMV: y [m, n] = x [m, k] w^T */
+    const float *x;
+    int64_t m;
+    float *y;
+    pc_attention attention;
+    int64_t inter; /* PART_SILU_MUL: x is gate_up, y the output */
+} work_part;
+
+/* Rows [begin, end) of a projection: each part's share of them, at its place in y. */
+static void project_rows(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                         int64_t m, float *y, int64_t begin, int64_t end) {
+    int64_t offset = 0;
+    for (int64_t i = 0; i < w->parts; i++) {
+        const pc_weight *p = &w->part[i];
+        const int64_t first = begin > offset ? begin : offset;
+        const int64_t last = end < offset + p->n ? end : offset + p->n;
+        if (first < last)
+            kernels->gemv(p->type, p->data, p->row_bytes, x, m, p->k, y + offset, w->n,
+                          first - offset, last - offset);
+        offset += p->n;
+    }
+}
+
+static void run_part(const work_part *p) {
+    switch (p->kind) {
+    case PART_GEMV:
+        project_rows(p->kernels, p->weight, p->x, p->m, p->y, p->begin, p->end);
+        break;
+    case PART_ATTENTION_ROWS:
+    case PART_ATTENTION_CONTEXT:
+        p->kernels->attend(&p->attention, p->begin, p->end, p->kind == PART_ATTENTION_CONTEXT);
+        break;
+    case PART_SILU_MUL:
+        p->kernels->silu_mul(p->x, p->y, p->inter, p->begin, p->end);
+        break;
+    }
+}
+
+static struct {
+    pthread_mutex_t lock; /* guards `stepping`'s changes and the thread's start */
+    pthread_cond_t wake;
+    pthread_mutex_t owner; /* held by the call that uses the helper */
+    int started;
+    atomic_int stepping;          /* 1 while a call may post work: spin, don't sleep */
+    atomic_uint posted, finished; /* work counters: the helper's part runs when they differ */
+    work_part part;
+} helper = {.lock = PTHREAD_MUTEX_INITIALIZER,
+            .wake = PTHREAD_COND_INITIALIZER,
+            .owner = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* A spin-wait's n-th turn: pause, and past ~20 us (a projection's half takes 10-100) yield
+   the core, so that a third thread (the server's event loop) waiting for one runs now
+   instead of at the end of our time slice, while this one has nothing to do. */
+#define SPINS_BEFORE_YIELD 4096
+static inline void spin_turn(unsigned *spins) {
+    if (++*spins < SPINS_BEFORE_YIELD)
+        cpu_relax();
+    else
+        sched_yield();
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    unsigned seen = 0;
+    for (;;) {
+        unsigned spins = 0;
+        while (atomic_load_explicit(&helper.posted, memory_order_acquire) == seen) {
+            if (atomic_load_explicit(&helper.stepping, memory_order_acquire)) {
+                spin_turn(&spins);
+                continue;
+            }
+            pthread_mutex_lock(&helper.lock);
+            while (!atomic_load(&helper.stepping) && atomic_load(&helper.posted) == seen)
+                pthread_cond_wait(&helper.wake, &helper.lock);
+            pthread_mutex_unlock(&helper.lock);
+        }
+        seen = atomic_load_explicit(&helper.posted, memory_order_acquire);
+        run_part(&helper.part);
+        atomic_store_explicit(&helper.finished, seen, memory_order_release);
+    }
+    return NULL;
+}
+
+/* A forked child has no helper thread (fork copies only the caller): it starts its own on
+   its first split call, from a reset state, instead of spinning for one that is not there. */
+static void helper_after_fork(void) {
+    pthread_mutex_init(&helper.lock, NULL);
+    pthread_cond_init(&helper.wake, NULL);
+    pthread_mutex_init(&helper.owner, NULL);
+    helper.started = 0;
+    atomic_store(&helper.stepping, 0);
+    atomic_store(&helper.posted, 0);
+    atomic_store(&helper.finished, 0);
+}
+
+static pthread_once_t helper_fork_hook = PTHREAD_ONCE_INIT;
+
+static void helper_register_fork_hook(void) { pthread_atfork(NULL, NULL, helper_after_fork); }
+
+/* Takes the helper for one call: 1 if it is ours (started and spinning), 0 where it could
+   not start or another call holds it (then the call runs on one thread). */
+static int helper_take(void) {
+    pthread_once(&helper_fork_hook, helper_register_fork_hook);
+    if (pthread_mutex_trylock(&helper.owner)) return 0;
+    pthread_mutex_lock(&helper.lock);
+    if (!helper.started) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, helper_main, NULL) == 0) {
+            pthread_detach(thread);
+            helper.started = 1;
+        }
+    }
+    const int ours = helper.started;
+    if (ours) {
+        atomic_store(&helper.stepping, 1);
+        pthread_cond_signal(&helper.wake);
+    }
+    pthread_mutex_unlock(&helper.lock);
+    if (!ours) pthread_mutex_unlock(&helper.owner);
+    return ours;
+}
+
+static void helper_release(void) {
+    pthread_mutex_lock(&helper.lock);
+    atomic_store(&helper.stepping, 0);
+    pthread_mutex_unlock(&helper.lock);
+    pthread_mutex_unlock(&helper.owner);
+}
+
+/* Runs `theirs` on the helper and `mine` on the calling thread, and waits for both. */
+static void run_split(const work_part *theirs, const work_part *mine) {
+    helper.part = *theirs;
+    const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
+    run_part(mine);
+    unsigned spins = 0;
+    while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket)
+        spin_turn(&spins);
+}
+
+/* `part` whole, or split at `middle` with the helper taking [middle, end). */
+static void run_shared(const work_part *part, int split, int64_t middle) {
+    if (!split || middle <= part->begin || middle >= part->end) {
+        run_part(part);
+        return;
+    }
+    work_part theirs = *part, mine = *part;
+    theirs.begin = middle;
+    mine.end = middle;
+    run_split(&theirs, &mine);
+}
+
+/* out = the softmax over both context ranges: each range's output is normalized by its own
+   total, so out = (w1 o1 + w2 o2) / (w1 + w2) with w = total * exp(peak - the larger peak). */
+static void merge_ranges(float *out, const float *other, const float *peaks, const float *totals,
+                         const float *other_peaks, const float *other_totals, int64_t num_heads,
+                         int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float top = peaks[h] > other_peaks[h] ? peaks[h] : other_peaks[h];
+        const float w1 = totals[h] * expf(peaks[h] - top);
+        const float w2 = other_totals[h] * expf(other_peaks[h] - top);
+        const float inv = 1.0f / (w1 + w2);
+        float *o = out + h * head_dim;
+        const float *p = other + h * head_dim;
+        for (int64_t i = 0; i < head_dim; i++) o[i] = (w1 * o[i] + w2 * p[i]) * inv;
+    }
+}
+
+/* ---- entry points ---------------------------------------------------------------------- */
+
+/* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split with the helper
+   thread where `threads` is 2 and the helper is free (the LM head of a step). */
+void pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                     int64_t m, float *y, int64_t threads) {
+    const work_part part = {.kind = PART_GEMV, .kernels = kernels, .begin = 0, .end = w->n,
+                            .weight = w, .x = x, .m = m, .y = y};
+    const int split = threads > 1 && helper_take();
+    run_shared(&part, split, w->n / 2);
+    if (split) helper_release();
+}
+
+static int weight_fits(const pc_projection *w, int64_t n, int64_t k) {
+    if (w->n != n || w->k != k || w->parts < 1 || w->parts > PC_MAX_PARTS) return 0;
+    int64_t rows = 0;
+    for (int64_t i = 0; i < w->parts; i++) {
+        const pc_weight *p = &w->part[i];
+        const int64_t elements = pc_block_elements(p->type);
+        if (elements == 0 || p->k != k || k % elements || p->n < 1 ||
+            p->row_bytes != k / elements * pc_block_bytes(p->type))
+            return 0;
+        rows += p->n;
+    }
+    return rows == n;
+}
+
+/* Each layer's projections of the shape's sizes and types the GEMV serves. */
+static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s) {
+    const int64_t q_size = s->num_q_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
+    if (s->head_dim % 16 || s->head_dim > PC_MAX_HEAD_DIM || s->num_kv_heads < 1 ||
+        s->num_q_heads % s->num_kv_heads)
+        return 0;
+    if (s->cache_type != PC_F32 && s->cache_type != PC_F16 && s->cache_type != PC_BF16) return 0;
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const pc_projection *p = layers[l].proj;
+        if (!weight_fits(&p[0], q_size + 2 * kv_size, s->hidden) ||
+            !weight_fits(&p[1], s->hidden, q_size) ||
+            !weight_fits(&p[2], 2 * s->intermediate, s->hidden) ||
+            !weight_fits(&p[3], s->hidden, s->intermediate))
+            return 0;
+    }
+    return 1;
+}
+
+#define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
+
+/* One projection of a layer: y = x w^T, split with the helper where `split` is set. */
+static void project(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                    int64_t m, float *y, int split, int64_t *matmul_ns) {
+    const int64_t start = matmul_ns ? now_ns() : 0;
+    const work_part part = {.kind = PART_GEMV, .kernels = kernels, .begin = 0, .end = w->n,
+                            .weight = w, .x = x, .m = m, .y = y};
+    run_shared(&part, split, w->n / 2);
+    if (matmul_ns) *matmul_ns += now_ns() - start;
+}
+
+/* x [m, hidden] is the residual stream, updated in place; cos and sin [m, head_dim] are each
+   row's RoPE rows (the sin table signed for rotate_half, as model.rope_tables builds it);
+   write_slots [m] is where each row's K/V goes; block_tables [m, table_width] int32 and
+   seq_lens [m] int32 are each row's pages and context length, its new token included (the
+   step's AttentionMetadata as it is). Returns PC_OK, PC_NO_MEMORY, PC_BAD_SHAPE (a weight or
+   head size the kernels do not take) or PC_OUT_OF_POOL (a write slot, block or length
+   outside the pool), all checked before anything is written. Where matmul_ns is not NULL,
+   the nanoseconds spent in the four GEMVs are added to it (benchmarks/engine_step.py's
+   matmul share: no hook sees inside this call). */
+int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *layers,
+                         const pc_decoder_shape *shape, float *x, int64_t m, const float *cos,
+                         const float *sin, const int64_t *write_slots,
+                         const int32_t *block_tables, int64_t table_width,
+                         const int32_t *seq_lens, int64_t threads, int64_t *matmul_ns) {
+    const int64_t h = shape->hidden, inter = shape->intermediate, d = shape->head_dim;
+    const int64_t hq = shape->num_q_heads, hkv = shape->num_kv_heads, bs = shape->block_size;
+    const int64_t q_size = hq * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
+    if (!layers_fit(layers, shape)) return PC_BAD_SHAPE;
+    /* Nothing outside the pool is written or read: every write slot and every block a
+       context reads lies in it (a few rows: cheap next to the step). */
+    int64_t max_context = 0;
+    for (int64_t r = 0; r < m; r++) {
+        if (write_slots[r] < 0 || write_slots[r] >= shape->cache_blocks * bs) return PC_OUT_OF_POOL;
+        if (seq_lens[r] < 1 || seq_lens[r] > table_width * bs) return PC_OUT_OF_POOL;
+        for (int64_t b = 0; b < (seq_lens[r] + bs - 1) / bs; b++) {
+            const int32_t block = block_tables[r * table_width + b];
+            if (block < 0 || block >= shape->cache_blocks) return PC_OUT_OF_POOL;
+        }
+        max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
+    }
+    /* per row: the normed input, qkv, the attention's output, gate_up, SiLU's output, one
+       projection's output; then two threads' scores and a lone row's second half */
+    const int64_t per_row = h + qkv_size + q_size + 2 * inter + inter + h;
+    float *work = malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + 4 * hq + q_size));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context + m));
+    if (work == NULL || slots == NULL) {
+        free(work);
+        free(slots);
+        return PC_NO_MEMORY;
+    }
+    /* each row's context slots from its block table, once a step, read by every layer */
+    int64_t *lens = slots + m * max_context;
+    for (int64_t r = 0; r < m; r++) {
+        lens[r] = seq_lens[r];
+        for (int64_t c = 0; c < seq_lens[r]; c++)
+            slots[r * max_context + c] = (int64_t)block_tables[r * table_width + c / bs] * bs + c % bs;
+    }
+    float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
+    float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
+    float *scores = proj + m * h;            /* [2, hq, max_context]: one per thread */
+    float *halves = scores + 2 * hq * max_context; /* peaks and totals of two, the helper's out */
+    const int split = threads > 1 && helper_take();
+    for (int64_t l = 0; l < shape->num_layers; l++) {
+        const pc_decoder_layer *layer = layers + l;
+        kernels->rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
+        project(kernels, &layer->proj[0], normed, m, qkv, split, matmul_ns);
+        kernels->rope_write(qkv, m, qkv_size, hq, hkv, d, cos, sin, write_slots, layer->k_cache,
+                            layer->v_cache, shape->cache_type);
+        const pc_attention rows = {.q = qkv, .q_stride = qkv_size, .k_cache = layer->k_cache,
+                                   .v_cache = layer->v_cache, .cache_type = shape->cache_type,
+                                   .slots = slots, .slot_stride = max_context, .seq_lens = lens,
+                                   .out = attn, .scores = scores, .hq = hq, .hkv = hkv, .d = d,
+                                   .scale = shape->scale};
+        if (split && m == 1 && lens[0] >= 2 * MIN_CONTEXT_HALF) {
+            /* a lone sequence: each thread half its context, merged */
+            work_part mine = {.kind = PART_ATTENTION_CONTEXT, .kernels = kernels, .begin = 0,
+                              .end = lens[0] / 2, .attention = rows};
+            work_part theirs = mine;
+            theirs.begin = lens[0] / 2;
+            theirs.end = lens[0];
+            mine.attention.peaks = halves;
+            mine.attention.totals = halves + hq;
+            theirs.attention.peaks = halves + 2 * hq;
+            theirs.attention.totals = halves + 3 * hq;
+            theirs.attention.scores = scores + hq * max_context;
+            theirs.attention.out = halves + 4 * hq;
+            run_split(&theirs, &mine);
+            merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
+                         halves + 3 * hq, hq, d);
+        } else {
+            /* each thread its own rows, and its own scores */
+            work_part part = {.kind = PART_ATTENTION_ROWS, .kernels = kernels, .begin = 0,
+                              .end = m, .attention = rows};
+            if (split && m > 1) {
+                work_part theirs = part;
+                theirs.begin = part.end = (m + 1) / 2;
+                theirs.attention.scores = scores + hq * max_context;
+                run_split(&theirs, &part);
+            } else {
+                run_part(&part);
+            }
+        }
+        project(kernels, &layer->proj[1], attn, m, proj, split, matmul_ns);
+        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+        kernels->rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
+        project(kernels, &layer->proj[2], normed, m, gate_up, split, matmul_ns);
+        const work_part gated = {.kind = PART_SILU_MUL, .kernels = kernels, .begin = 0,
+                                 .end = m * inter, .x = gate_up, .y = act, .inter = inter};
+        run_shared(&gated, split, m * inter / 2);
+        project(kernels, &layer->proj[3], act, m, proj, split, matmul_ns);
+        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+    }
+    if (split) helper_release();
+    free(slots);
+    free(work);
+    return PC_OK;
+}

@@ -1,0 +1,167 @@
+"""The arm64 versions of the CPU kernels (generic and neon), cross-compiled with Debian's
+gcc-aarch64-linux-gnu into kernels/cpu/src/harness.c and run under qemu-user, each kernel on
+the same kind of inputs and references as tests/kernels/test_cpu_ops.py checks on this CPU.
+
+`make test` installs the cross compiler and qemu-user where it runs as root; elsewhere these
+tests skip, saying which tool is missing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import build, ops
+from kernels.cpu.formats import Blocks, WeightType, random_blocks
+from service.engine.model import apply_rope
+
+COMPILER = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+ARM_VERSIONS = [isa.name for isa in build.isas("aarch64")]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(COMPILER) is None or shutil.which(QEMU) is None,
+    reason=f"needs {COMPILER} and {QEMU} (apt-get install gcc-aarch64-linux-gnu qemu-user)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """An output file of the harness: its dtype and shape, read back after the run."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+Run = Callable[..., list[torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build.build_harness(COMPILER, tmp_path_factory.mktemp("arm64") / "harness", "aarch64")
+
+
+@pytest.fixture
+def run(harness: Path, tmp_path: Path) -> Run:
+    """run(isa, op, *args): tensors are written to files passed as inputs, each `Out` is an
+    output file; returns the outputs, read back, in order."""
+
+    def call(isa: str, op: str, *args: object) -> list[torch.Tensor]:
+        argv: list[str] = []
+        outputs: list[tuple[Path, Out]] = []
+        for i, arg in enumerate(args):
+            path = tmp_path / f"arg{i}.bin"
+            if isinstance(arg, torch.Tensor):
+                raw = arg.contiguous().view(torch.uint8) if arg.dim() else arg  # bf16 too
+                path.write_bytes(raw.numpy().tobytes())
+            elif isinstance(arg, Out):
+                outputs.append((path, arg))
+            else:
+                argv.append(str(arg))
+                continue
+            argv.append(str(path))
+        done = subprocess.run(
+            [QEMU, str(harness), isa, op, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return [
+            torch.frombuffer(bytearray(path.read_bytes()), dtype=out.dtype).view(out.shape)
+            for path, out in outputs
+        ]
+
+    return call
+
+
+def test_qemus_cpu_runs_every_arm64_version(harness: Path) -> None:
+    done = subprocess.run([QEMU, str(harness), "runs"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ARM_VERSIONS
+
+
+def _gguf(weight: Blocks) -> torch.Tensor:
+    kind = gguf.GGMLQuantizationType(int(weight.kind))
+    return torch.from_numpy(np.array(gguf.quants.dequantize(weight.data.numpy(), kind)))
+
+
+@pytest.mark.parametrize("isa", ARM_VERSIONS)
+@pytest.mark.parametrize("kind", list(WeightType))
+def test_arm64_dequantizes_exactly_and_multiplies_in_fp32(
+    run: Run, isa: str, kind: WeightType
+) -> None:
+    gen = torch.Generator().manual_seed(int(kind))
+    k = 512 if kind >= WeightType.Q4_K else 64
+    weight = random_blocks(kind, 20, k, gen)
+    want_w = _gguf(weight)
+    (dense,) = run(isa, "dequant", int(kind), 20, k, weight.data, Out(torch.float32, (20, k)))
+    assert torch.equal(dense, want_w)
+    for rows, threads in ((1, 1), (5, 1), (3, 2)):  # in registers, a dequantized row, 2 threads
+        x = torch.randn(rows, k, generator=gen)
+        (y,) = run(
+            isa, "gemv", int(kind), rows, 20, k, threads, weight.data, x,
+            Out(torch.float32, (rows, 20)),
+        )  # fmt: skip
+        bound = k * 2.0**-24 * (x.double().abs() @ want_w.double().abs().t()) + 1e-30
+        assert ((y.double() - x.double() @ want_w.double().t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("isa", ARM_VERSIONS)
+@pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))
+def test_arm64_attention_and_rope_match_torch(run: Run, isa: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(21)
+    hq, hkv, d, slots_total = 6, 2, 64, 48
+    k, v = (torch.randn(slots_total, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(2, hq, d, generator=gen)
+    lens = torch.tensor([40, 9])
+    slots = torch.stack([torch.randperm(slots_total, generator=gen)[:40] for _ in range(2)])
+    code = ops.ELEMENT_TYPES[dtype]
+    (got,) = run(
+        isa, "attend", code, 2, hq, hkv, d, 40, 0.125, query, k, v, slots, lens,
+        Out(torch.float32, (2, hq, d)),
+    )  # fmt: skip
+    for b in range(2):
+        ctx = slots[b, : lens[b]]
+        want = F.scaled_dot_product_attention(
+            query[b][None, :, None],
+            k[ctx].float().transpose(0, 1)[None],
+            v[ctx].float().transpose(0, 1)[None],
+            scale=0.125,
+            enable_gqa=True,
+        )[0, :, 0]
+        assert torch.allclose(got[b], want, rtol=1e-5, atol=1e-5)
+
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.rand(3, d // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    write = torch.tensor([7, 0, 22])
+    empty = torch.zeros(24, hkv, d, dtype=dtype)
+    rotated, key_cache, value_cache = run(
+        isa, "rope_write", code, 3, hq, hkv, d, 24, qkv, cos, sin, write, empty, empty,
+        Out(torch.float32, (3, hq + 2 * hkv, d)), Out(dtype, (24, hkv, d)),
+        Out(dtype, (24, hkv, d)),
+    )  # fmt: skip
+    heads = qkv.view(3, hq + 2 * hkv, d)
+    want = apply_rope(heads[:, : hq + hkv], cos[:, None], sin[:, None])
+    assert torch.allclose(rotated[:, : hq + hkv], want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(key_cache[write].float(), want[:, hq:].to(dtype).float(), rtol=1e-2)
+    assert torch.equal(value_cache[write], heads[:, hq + hkv :].to(dtype))
+
+
+@pytest.mark.parametrize("isa", ARM_VERSIONS)
+def test_arm64_rms_norm_and_silu_match_torch(run: Run, isa: str) -> None:
+    gen = torch.Generator().manual_seed(22)
+    x, w = torch.randn(5, 101, generator=gen) * 3, torch.randn(101, generator=gen)
+    (normed,) = run(isa, "rms_norm", 5, 101, 1e-5, x, w, Out(torch.float32, (5, 101)))
+    want = F.rms_norm(x, (101,), w, 1e-5)
+    assert torch.allclose(normed, want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(4, 2 * 96, generator=gen) * 8
+    (gated,) = run(isa, "silu_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)

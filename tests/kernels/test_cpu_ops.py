@@ -1,0 +1,179 @@
+"""The CPU kernels (kernels/cpu/ops.py), every version this CPU executes: GGUF blocks
+dequantized exactly as gguf does, fp32 products within fp32 rounding of float64 over those
+values, paged decode attention against SDPA over a gathered cache in every cache dtype,
+RoPE with the cache write, RMSNorm and SiLU against torch."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import ops
+from kernels.cpu.dispatch import KernelSet
+from kernels.cpu.formats import Blocks, WeightType, random_blocks, row_bytes
+from service.engine.model import apply_rope
+from tests.cpu_isa import cpu, cpu_isa
+
+__all__ = ["cpu", "cpu_isa"]
+
+K_TYPES = (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)
+
+
+def _gguf(weight: Blocks) -> torch.Tensor:
+    """What gguf's own dequantization makes of the blocks: the reference values."""
+    kind = gguf.GGMLQuantizationType(int(weight.kind))
+    return torch.from_numpy(np.array(gguf.quants.dequantize(weight.data.numpy(), kind)))
+
+
+def _k(kind: WeightType, blocks: int) -> int:
+    return blocks * (256 if kind in K_TYPES else 32)
+
+
+def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|y - x w^T| of an fp32 dot product of length k against float64: k eps per |x||w|."""
+    k = x.shape[1]
+    return k * 2.0**-24 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+
+
+def test_the_block_sizes_are_ggufs() -> None:
+    for kind in WeightType:
+        elements, bytes_ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(kind))]
+        assert row_bytes(kind, 3 * elements) == 3 * bytes_
+
+
+@pytest.mark.parametrize("kind", list(WeightType))
+def test_every_type_dequantizes_to_ggufs_values_exactly(cpu: KernelSet, kind: WeightType) -> None:
+    gen = torch.Generator().manual_seed(int(kind))
+    weight = random_blocks(kind, 12, _k(kind, 3), gen)
+    want = _gguf(weight)
+    got = ops.dequantize(cpu, weight, (0, 12), torch.empty(12, weight.k))
+    assert torch.equal(got, want)
+    rows = ops.dequantize(cpu, weight, (5, 9), torch.empty(4, weight.k, dtype=torch.bfloat16))
+    assert torch.equal(rows, want[5:9].to(torch.bfloat16))  # rounded as torch rounds
+    ids = torch.tensor([11, 0, 11, 3])
+    assert torch.equal(ops.dequantize_rows(cpu, weight, ids), want[ids])
+
+
+@pytest.mark.parametrize("kind", list(WeightType))
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_the_product_is_an_fp32_dot_product_of_the_dequantized_weights(
+    cpu: KernelSet, kind: WeightType, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows + 100 * int(kind))
+    weight = random_blocks(kind, 24, _k(kind, 2), gen)
+    w = _gguf(weight)
+    x = torch.randn(rows, weight.k, generator=gen)
+    got = ops.gemv(cpu, weight, x)
+    want = x.double() @ w.double().t()
+    assert ((got.double() - want).abs() <= _fp32_bound(x, w)).all()
+
+
+@pytest.mark.parametrize("kind", [WeightType.Q4_1, WeightType.Q6_K])
+def test_a_rows_product_does_not_depend_on_its_batch(cpu: KernelSet, kind: WeightType) -> None:
+    # Each lane takes a row's elements in one order at every batch size: a sequence's logits
+    # are the same bits whoever it decodes beside.
+    gen = torch.Generator().manual_seed(7)
+    weight = random_blocks(kind, 16, _k(kind, 2), gen)
+    x = torch.randn(9, weight.k, generator=gen)
+    alone = torch.cat([ops.gemv(cpu, weight, x[i : i + 1]) for i in range(9)])
+    for rows in (2, 3, 4, 5, 9):
+        assert torch.equal(ops.gemv(cpu, weight, x[:rows]), alone[:rows])
+
+
+def test_two_threads_compute_the_same_product_and_parts_follow_one_another(
+    cpu: KernelSet,
+) -> None:
+    gen = torch.Generator().manual_seed(8)
+    q = random_blocks(WeightType.Q4_K, 64, 512, gen)
+    v = random_blocks(WeightType.Q6_K, 32, 512, gen)  # a V stored in another type
+    x = torch.randn(3, 512, generator=gen)
+    want = torch.cat([ops.gemv(cpu, q, x), ops.gemv(cpu, v, x)], dim=1)
+    for threads in (1, 2):
+        assert torch.equal(ops.gemv_threads(cpu, [q, v], x, threads), want)
+
+
+def test_shapes_that_do_not_fit_are_refused_before_any_memory_is_touched(
+    cpu: KernelSet,
+) -> None:
+    gen = torch.Generator().manual_seed(9)
+    weight = random_blocks(WeightType.Q8_0, 8, 64, gen)
+    with pytest.raises(ValueError, match="input"):
+        ops.gemv(cpu, weight, torch.randn(2, 32))
+    with pytest.raises(ValueError, match="rows"):
+        ops.dequantize(cpu, weight, (4, 9), torch.empty(5, 64))
+    with pytest.raises(ValueError, match="out"):
+        ops.dequantize(cpu, weight, (0, 8), torch.empty(8, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="row ids"):
+        ops.dequantize_rows(cpu, weight, torch.tensor([8]))
+    with pytest.raises(ValueError, match="whole blocks"):
+        Blocks(WeightType.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 100)
+
+
+def _cache(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    # [N, bs, Hkv, D] with NaN in every slot no sequence owns: a wrong index shows
+    k, v = torch.randn(2, 12, 4, 2, 64, generator=gen).unbind(0)
+    owned = torch.zeros(12 * 4, dtype=torch.bool)
+    owned[:40] = True
+    for cache in (k, v):
+        cache.view(48, 2, 64)[~owned] = float("nan")
+    return k.to(dtype).contiguous(), v.to(dtype).contiguous()
+
+
+@pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))
+def test_paged_decode_reads_the_cache_in_place_as_sdpa_over_it_does(
+    cpu: KernelSet, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(10)
+    k, v = _cache(dtype, gen)
+    query = torch.randn(3, 6, 64, generator=gen)  # 6 query heads over 2 KV heads
+    lens = torch.tensor([40, 1, 17])
+    slots = torch.stack([torch.randperm(40, generator=gen) for _ in range(3)])  # [3, 40]
+    got = ops.paged_decode(cpu, query, k, v, slots, lens, 0.125)
+    for b in range(3):
+        ctx = slots[b, : lens[b]]
+        keys = k.view(48, 2, 64)[ctx].float().transpose(0, 1)[None]  # [1, Hkv, C, D]
+        values = v.view(48, 2, 64)[ctx].float().transpose(0, 1)[None]
+        want = F.scaled_dot_product_attention(
+            query[b][None, :, None], keys, values, scale=0.125, enable_gqa=True
+        )[0, :, 0]
+        assert torch.allclose(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))
+def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(
+    cpu: KernelSet, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = 4, 2, 64
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=gen)
+    angles = torch.rand(3, d // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)  # signed for rotate_half
+    slots = torch.tensor([7, 0, 22])
+    k, v = (torch.zeros(6, 4, hkv, d, dtype=dtype) for _ in range(2))
+    rotated = qkv.clone()
+    ops.rope_write(cpu, rotated, hq, cos, sin, slots, k, v)
+    heads = qkv.view(3, hq + 2 * hkv, d)
+    want = apply_rope(heads[:, : hq + hkv], cos[:, None], sin[:, None])
+    assert torch.allclose(rotated.view(3, -1, d)[:, : hq + hkv], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rotated.view(3, -1, d)[:, hq + hkv :], heads[:, hq + hkv :])
+    flat_k, flat_v = k.view(24, hkv, d), v.view(24, hkv, d)
+    assert torch.allclose(flat_k[slots].float(), want[:, hq:].to(dtype).float(), rtol=1e-2)
+    assert torch.equal(flat_v[slots], heads[:, hq + hkv :].to(dtype))  # rounded as torch
+    others = torch.ones(24, dtype=torch.bool)
+    others[slots] = False
+    assert not flat_k[others].any() and not flat_v[others].any()
+
+
+def test_rms_norm_and_silu_match_torch_in_fp32(cpu: KernelSet) -> None:
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(5, 101, generator=gen) * 3, torch.randn(101, generator=gen)
+    want = F.rms_norm(x, (101,), w, 1e-5)
+    assert torch.allclose(ops.rms_norm(cpu, x, w, 1e-5), want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(4, 2 * 96, generator=gen) * 8
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.allclose(ops.silu_mul(cpu, gate_up), want, rtol=1e-5, atol=1e-6)
