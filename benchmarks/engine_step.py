@@ -80,11 +80,11 @@ class MatmulClock:
             if isinstance(module, Linear | QuantLinear) and module is not model.lm_head:
                 module.register_forward_pre_hook(self._enter)
                 module.register_forward_hook(self._leave)
-        logits: Callable[[torch.Tensor, int], torch.Tensor] = model.compute_logits
+        logits: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
 
-        def timed_logits(hidden: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
-            out = logits(hidden, threads)
+            out = logits(hidden)
             self._seconds += time.perf_counter() - start
             return out
 

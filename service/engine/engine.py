@@ -159,6 +159,7 @@ class LLMEngine:
                 kernels=config.cpu_kernels(),
                 dense_dtype=config.torch_dense_dtype(),
                 serve_stored=config.serve_stored(),
+                threads=config.native_threads(),
             )
         # A model loaded by the caller decides the activations; the KV cache follows them
         # unless `kv_cache_dtype` says otherwise (float16 on the CPU by default).

@@ -73,17 +73,19 @@ def load_model(
     max_packed_tokens: int | None = None,
     dense_dtype: torch.dtype = torch.float32,
     serve_stored: bool = False,
+    threads: int = 1,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
     and torch.int8 name the packed formats, run by the CPU `kernels`, whose steps of more
-    than `max_packed_tokens` rows run dequantized to `dense_dtype`: `LlamaModel.from_weights`).
+    than `max_packed_tokens` rows run dequantized to `dense_dtype`, and whose native products
+    split with the kernels' helper thread at `threads` 2: `LlamaModel.from_weights`).
 
     `serve_stored`: a GGUF whose layer matmuls are stored in block types the kernels read is
     served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the
     file's own values at the file's size. What `weights auto` asks for on a CPU with the
     kernels."""
     path = default_model_path() if source is None else Path(source)
-    build = _Build(dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype)
+    build = _Build(dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
@@ -108,6 +110,7 @@ class _Build:
     kernels: KernelSet | None
     max_packed_tokens: int | None
     dense_dtype: torch.dtype
+    threads: int
 
     def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> LlamaModel:
         return LlamaModel.from_weights(
@@ -119,6 +122,7 @@ class _Build:
             kernels=self.kernels,
             max_packed_tokens=self.max_packed_tokens,
             dense_dtype=self.dense_dtype,
+            threads=self.threads,
         )
 
 

@@ -257,6 +257,7 @@ class LlamaModel(nn.Module):
         kernels: KernelSet | None = None,
         max_packed_tokens: int | None = None,
         dense_dtype: torch.dtype = torch.float32,
+        threads: int = 1,
     ) -> LlamaModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
@@ -275,7 +276,8 @@ class LlamaModel(nn.Module):
         once per process on the first layer by `quant.measured_max_packed_tokens`)
         dequantize each weight into one shared scratch buffer and run a dense GEMM in
         `dense_dtype` (bf16 where the CPU has fast bf16 matmuls, fp32 where not): prefill
-        chunks and mixed steps, where the GEMV is slower.
+        chunks and mixed steps, where the GEMV is slower. `threads` 2 splits every native
+        product with the CPU kernels' helper thread.
         """
         with torch.device("meta"):
             model = cls(args)
@@ -301,7 +303,7 @@ class LlamaModel(nn.Module):
             if packed and isinstance(owner, nn.Linear | nn.Embedding):
                 assert kernels is not None
                 head = not isinstance(owner, Linear) or prefix == "lm_head"
-                linear = QuantLinear(packed_weight(w, head), kernels, scratch=scratch)
+                linear = QuantLinear(packed_weight(w, head), kernels, scratch=scratch, threads=threads)
                 module: nn.Module = linear
                 if isinstance(owner, nn.Embedding):
                     if args.tie_word_embeddings:
@@ -326,7 +328,7 @@ class LlamaModel(nn.Module):
             limit = max_packed_tokens
             if limit is None:
                 layer = [p.weight for p in first]
-                limit = measured_max_packed_tokens(layer, kernels, scratch.dtype)
+                limit = measured_max_packed_tokens(layer, kernels, scratch.dtype, threads)
             for linear in linears.values():
                 linear.max_packed_tokens = limit
             if isinstance(model.lm_head, QuantLinear):
@@ -442,10 +444,10 @@ class LlamaModel(nn.Module):
         hidden: Tensor = self.norm(stack(x, cos, sin, meta))  # [T, hidden]
         return hidden
 
-    def compute_logits(self, hidden: Tensor, threads: int = 1) -> Tensor:
-        # hidden: [N, hidden] -> logits [N, vocab] fp32; `threads` as QuantLinear's
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] fp32
         if isinstance(self.lm_head, QuantLinear):
-            logits: Tensor = self.lm_head(hidden, threads)
+            logits: Tensor = self.lm_head(hidden)
             return logits.float()
         if self.lm_head is not None:
             weight = self.lm_head.weight

@@ -162,12 +162,13 @@ class DequantScratch:
 class QuantLinear(nn.Module):
     """A bias-free projection over a `PackedWeight`, through the CPU kernels `kernels`.
 
-    NOTE: the kernel follows the batch. The native GEMV reads each weight once and computes
-    every row's dot product over it in registers, which wins while a step is bound by
-    reading weights (decode); a step of many rows (prefill, mixed steps) instead dequantizes
-    each weight into `scratch` and runs torch's dense GEMM, faster there. Steps of more than
-    `max_packed_tokens` rows take the dense path (`packed_kernel_pays`; the crossover is
-    timed once per process, `measured_max_packed_tokens`). No dense copy is ever kept.
+    NOTE: the kernel follows the batch where that pays. The native product reads each weight
+    once: up to four rows in registers, more through tiles of dequantized rows in L1 (on the
+    2-core EPYC it beat torch's fp32 GEMM over the dequantized weight at every row count up to
+    512, docs/perf.md). Where torch's GEMM wins above some row count on a CPU, steps of more
+    than `max_packed_tokens` rows dequantize each weight into `scratch` and run it
+    (`packed_kernel_pays`; the crossover is timed once per process and thread count,
+    `measured_max_packed_tokens`). No dense copy is ever kept.
     """
 
     def __init__(
@@ -177,6 +178,7 @@ class QuantLinear(nn.Module):
         *,
         scratch: DequantScratch | None = None,
         max_packed_tokens: int = NO_CROSSOVER,
+        threads: int = 1,
     ) -> None:
         super().__init__()
         self.weight = weight
@@ -184,6 +186,8 @@ class QuantLinear(nn.Module):
         self.kernels = kernels
         self.scratch = scratch
         self.max_packed_tokens = max_packed_tokens
+        # 2: the native product's rows split with the library's helper thread (where free)
+        self.threads = threads
 
     @property
     def kinds(self) -> tuple[WeightType, ...]:
@@ -195,12 +199,12 @@ class QuantLinear(nn.Module):
         assert self.scratch is not None
         return min(self.out_features, max(self.scratch.max_elements // self.in_features, 1))
 
-    def forward(self, x: Tensor, threads: int = 1) -> Tensor:
-        # x: [T, in] -> [T, out]; `threads` 2 splits the GEMV's rows with the helper thread
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, in] -> [T, out]
         if self.scratch is not None and not packed_kernel_pays(x.shape[0], self.max_packed_tokens):
             dense: Tensor = self._dense(x.to(self.scratch.dtype)).to(x.dtype)
             return dense
-        y = ops.gemv_threads(self.kernels, self.weight.parts, x.float(), threads)
+        y = ops.gemv_threads(self.kernels, self.weight.parts, x.float(), self.threads)
         return y.to(x.dtype)
 
     def _dense(self, x: Tensor) -> Tensor:
@@ -256,39 +260,47 @@ def packed_kernel_pays(num_tokens: int, max_packed_tokens: int) -> bool:
     return num_tokens <= max_packed_tokens
 
 
-TRIAL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+TRIAL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: a prefill chunk
+
+
+# How much faster the dense path must be to take a step from the native product: a near tie
+# goes to the native product, which splits with the helper thread and keeps no scratch.
+DENSE_MARGIN = 1.1
 
 
 def pick_max_packed_tokens(times: dict[int, tuple[float, float]]) -> int:
     """From {rows: (packed seconds, dense seconds)}: the most rows up to which the packed
-    kernel was faster at every measured size (0: never). Kernel times grow with the rows
-    and the packed kernel's faster (it reads less, then computes more per row), so one
-    crossover; a size where it lost ends the run even if a larger one looks faster (noise)."""
+    kernel was never clearly slower (by `DENSE_MARGIN`) at every measured size (0: never).
+    Kernel times grow with the rows and the packed kernel's faster (it reads less, then
+    computes more per row), so one crossover; a size where it lost ends the run even if a
+    larger one looks faster (noise)."""
     best = 0
     for rows in sorted(times):
         packed, dense_ = times[rows]
-        if packed >= dense_:
+        if packed >= DENSE_MARGIN * dense_:
             break
         best = rows
     return best
 
 
 def measured_max_packed_tokens(
-    layer: Sequence[PackedWeight], kernels: KernelSet, dense_dtype: torch.dtype
+    layer: Sequence[PackedWeight], kernels: KernelSet, dense_dtype: torch.dtype, threads: int = 1
 ) -> int:
-    """Time one decoder layer's projections (`layer`, the model's own), the native GEMV
-    against the dense path (dequantize to `dense_dtype`, then torch's GEMM), at each of
-    `TRIAL_ROWS`; pick the crossover with `pick_max_packed_tokens`. About 0.3 s, once per
-    process for each layer shape, kernel choice, dtype and torch thread count (two threads
-    move it)."""
+    """Time one decoder layer's projections (`layer`, the model's own), the native product
+    on `threads` threads against the dense path (dequantize to `dense_dtype`, then torch's
+    GEMM on torch's threads), at each of `TRIAL_ROWS`; pick the crossover with
+    `pick_max_packed_tokens`. About a second, once per process for each layer shape, kernel
+    choice, dtype and thread counts."""
     key = (
         tuple((w.shape, w.kinds) for w in layer),
         tuple(kernels.chosen.items()),
         dense_dtype,
+        threads,
         torch.get_num_threads(),
     )
     if key not in _CROSSOVERS:
-        _CROSSOVERS[key] = pick_max_packed_tokens(crossover_trial(layer, kernels, dense_dtype))
+        times = crossover_trial(layer, kernels, dense_dtype, threads)
+        _CROSSOVERS[key] = pick_max_packed_tokens(times)
     return _CROSSOVERS[key]
 
 
@@ -296,11 +308,11 @@ _CROSSOVERS: dict[tuple[object, ...], int] = {}
 
 
 def crossover_trial(
-    layer: Sequence[PackedWeight], kernels: KernelSet, dense_dtype: torch.dtype
+    layer: Sequence[PackedWeight], kernels: KernelSet, dense_dtype: torch.dtype, threads: int = 1
 ) -> dict[int, tuple[float, float]]:
     """{rows: (packed seconds, dense-path seconds)} for one decoder layer's projections."""
     scratch = DequantScratch(dense_dtype)
-    packed = [QuantLinear(w, kernels) for w in layer]
+    packed = [QuantLinear(w, kernels, threads=threads) for w in layer]
     dense_ = [QuantLinear(w, kernels, scratch=scratch, max_packed_tokens=0) for w in layer]
     return {rows: _race(rows, packed, dense_) for rows in TRIAL_ROWS}
 
@@ -312,15 +324,15 @@ class _Matmul(Protocol):
 
 
 def _race(rows: int, first: Sequence[_Matmul], second: Sequence[_Matmul]) -> tuple[float, float]:
-    """Best-of-three seconds of each layer's matmuls on `rows` fp32 rows, alternating, so a
-    neighbour's load falls on both. With one torch thread the clock is the thread's CPU
-    time (time spent descheduled does not count), as `config.fastest_cpu_dtypes` does."""
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    """Best-of-five seconds of each layer's matmuls on `rows` fp32 rows, alternating, so a
+    neighbour's load falls on both. Wall time: a thread's own CPU time would not count the
+    helper thread's half of a split product."""
+    clock = time.perf_counter
     gen = torch.Generator().manual_seed(rows)
     inputs = {m.in_features: torch.randn(rows, m.in_features, generator=gen) for m in first}
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
-        for _ in range(3):
+        for _ in range(5):
             for i, layer in enumerate((first, second)):
                 start = clock()
                 for m in layer:

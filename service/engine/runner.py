@@ -128,7 +128,6 @@ class ModelRunner:
         # about as much as the layer's packed matmuls.
         self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
         self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
-        self.decode_threads = decode_threads  # the LM head's native GEMV splits with it too
 
     @property
     def native_decode_threads(self) -> int:
@@ -244,7 +243,7 @@ class ModelRunner:
         """The forward; logits [S, V] float32 of the chunks that sample."""
         hidden = self.forward(inputs)  # [T, H]
         rows = hidden[inputs.sample_rows]
-        return self.model.compute_logits(rows, self.decode_threads)  # [S, V]
+        return self.model.compute_logits(rows)  # [S, V]
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:

@@ -167,6 +167,7 @@ AVX2_INT4 = {
         ({1: (2.0, 1.0), 8: (3.0, 2.0)}, 0),  # never pays: always dense
         ({1: (1.0, 2.0), 8: (1.0, 2.0), 128: (1.0, 2.0)}, 128),
         ({1: (1.0, 2.0), 8: (3.0, 2.0), 16: (1.0, 9.0)}, 1),  # a later win after a loss: noise
+        ({1: (1.0, 2.0), 8: (1.05, 1.0), 16: (2.0, 1.0)}, 8),  # a near tie: the native product
     ],
 )
 def test_the_crossover_is_the_most_rows_up_to_which_packed_always_won(

@@ -241,79 +241,227 @@ static inline q32 unpack_q6_k(const uint8_t *b, int s, float d[2], float *m) {
 }
 
 /* ---- kernels per type ------------------------------------------------------------------ */
-#define GEMV_ROWS 4 /* input rows whose dot products share one pass over the weights */
+#define GEMV_ROWS 4 /* input rows whose dot products share one pass over a block's weights */
+#if defined(PC_ISA_GENERIC)
+#define DOT_J 1 /* weight rows one input row's products take together (more spill on SSE2) */
+#else
+#define DOT_J 4
+#endif
 
-/* For each type: weights_<type> (32 weights as vf), a row's dequantization, and the dot
-   products of a weight row with `rows` input rows. */
+/* Steps of more rows dequantize TILE_J weight rows into L1, then take TILE_R input rows at a
+   time against them: TILE_J x TILE_R accumulators in registers, each weight vector loaded
+   once per TILE_R rows and each input vector once per TILE_J weight rows. */
+#if defined(PC_ISA_AVX512)
+#define TILE_J 4 /* 24 of the 32 zmm registers accumulate */
+#define TILE_R 6
+#elif defined(PC_ISA_NEON)
+#define TILE_J 4 /* 16 of the 32 q registers */
+#define TILE_R 4
+#else
+#define TILE_J 2 /* 8 of AVX2's 16 ymm registers (generic: 16 of SSE2's xmm) */
+#define TILE_R 4
+#endif
+
+/* y[r * ldy + j] for TILE-sized (or smaller: J, R) blocks of dequantized rows w (row j at
+   w + j * k) and input rows x. Each output's lanes take its elements in the order dots_<type>
+   takes them: a row's result does not depend on the path. */
+static inline __attribute__((always_inline)) void dense_tile(const float *w, const float *x,
+                                                             int64_t k, float *y, int64_t ldy,
+                                                             const int J, const int R) {
+    vf acc[TILE_J][TILE_R];
+    for (int j = 0; j < J; j++)
+        for (int r = 0; r < R; r++) acc[j][r] = vf_zero();
+    for (int64_t c = 0; c < k; c += VF_W) {
+        vf wv[TILE_J];
+        for (int j = 0; j < J; j++) wv[j] = vf_load(w + j * k + c);
+        for (int r = 0; r < R; r++) {
+            const vf xv = vf_load(x + r * k + c);
+            for (int j = 0; j < J; j++) acc[j][r] = vf_fma(wv[j], xv, acc[j][r]);
+        }
+    }
+    for (int j = 0; j < J; j++)
+        for (int r = 0; r < R; r++) y[r * ldy + j] = vf_sum(acc[j][r]);
+}
+
+/* Input rows [0, m) against J dequantized weight rows (J constant): TILE_R rows at a time,
+   then the rest in one smaller tile. */
+static inline __attribute__((always_inline)) void dense_rows(const float *w, const float *x,
+                                                             int64_t m, int64_t k, float *y,
+                                                             int64_t ldy, const int J) {
+    int64_t r = 0;
+    for (; r + TILE_R <= m; r += TILE_R) dense_tile(w, x + r * k, k, y + r * ldy, ldy, J, TILE_R);
+    const float *xr = x + r * k;
+    float *yr = y + r * ldy;
+    switch (m - r) {
+    case 1: dense_tile(w, xr, k, yr, ldy, J, 1); break;
+    case 2: dense_tile(w, xr, k, yr, ldy, J, 2); break;
+    case 3: dense_tile(w, xr, k, yr, ldy, J, 3); break;
+#if TILE_R > 4
+    case 4: dense_tile(w, xr, k, yr, ldy, J, 4); break;
+    case 5: dense_tile(w, xr, k, yr, ldy, J, 5); break;
+#endif
+    default: break;
+    }
+}
+
+/* Every input row against `rows` (up to TILE_J) dequantized weight rows. */
+static void dense_block(const float *w, int rows, const float *x, int64_t m, int64_t k, float *y,
+                        int64_t ldy) {
+    if (rows == TILE_J) {
+        dense_rows(w, x, m, k, y, ldy, TILE_J);
+        return;
+    }
+    for (int j = 0; j < rows; j++) dense_rows(w + j * k, x, m, k, y + j, ldy, 1);
+}
+
+/* For each type: weights_<type> (32 weights as vf), a row's dequantization, the dot products
+   of a weight row with up to GEMV_ROWS input rows, and the product over rows [n_begin, n_end)
+   (through dense_block above GEMV_ROWS input rows; `buf` holds TILE_J rows then). */
 #define DEFINE_TYPE(T, SUBS, BYTES)                                                            \
+    static void row_##T(const uint8_t *row, int64_t k, float *out) {                           \
+        for (const uint8_t *block = row; block < row + k / (32 * SUBS) * BYTES; block += BYTES) \
+            for (int s = 0; s < SUBS; s++, out += 32) {                                        \
+                vf w[Q32_VECTORS];                                                             \
+                weights_##T(block, s, w);                                                      \
+                for (int v = 0; v < Q32_VECTORS; v++) vf_store(out + v * VF_W, w[v]);          \
+            }                                                                                  \
+    }                                                                                          \
+    static inline __attribute__((always_inline)) void dots_##T(                                \
+        const uint8_t *row, int64_t row_bytes, const float *x, int64_t k, float *y, int64_t ldy, \
+        const int J, const int rows) {                                                         \
+        vf acc[DOT_J][GEMV_ROWS];                                                              \
+        for (int j = 0; j < J; j++)                                                            \
+            for (int r = 0; r < rows; r++) acc[j][r] = vf_zero();                              \
+        const float *xc = x;                                                                   \
+        for (int64_t at = 0; at < k / (32 * SUBS) * BYTES; at += BYTES)                        \
+            for (int s = 0; s < SUBS; s++, xc += 32)                                           \
+                for (int j = 0; j < J; j++) {                                                  \
+                    vf w[Q32_VECTORS];                                                         \
+                    weights_##T(row + j * row_bytes + at, s, w);                               \
+                    for (int r = 0; r < rows; r++)                                             \
+                        for (int v = 0; v < Q32_VECTORS; v++)                                  \
+                            acc[j][r] = vf_fma(w[v], vf_load(xc + r * k + v * VF_W), acc[j][r]); \
+                }                                                                              \
+        for (int j = 0; j < J; j++)                                                            \
+            for (int r = 0; r < rows; r++) y[r * ldy + j] = vf_sum(acc[j][r]);                 \
+    }                                                                                          \
+    static void gemv_##T(const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,       \
+                         int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end,     \
+                         float *buf) {                                                         \
+        if (m > GEMV_ROWS) {                                                                   \
+            for (int64_t j = n_begin; j < n_end; j += TILE_J) {                                \
+                const int rows = n_end - j < TILE_J ? (int)(n_end - j) : TILE_J;               \
+                for (int i = 0; i < rows; i++) row_##T(w + (j + i) * row_bytes, k, buf + i * k); \
+                dense_block(buf, rows, x, m, k, y + j, ldy);                                   \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
+        /* few input rows: DOT_J weight rows together, so that that many chains of dependent \
+           FMAs run at once (one row's chain alone waited on the FMA latency) */               \
+        int64_t j = n_begin;                                                                   \
+        if (m == 1)                                                                            \
+            for (; j + DOT_J <= n_end; j += DOT_J)                                             \
+                dots_##T(w + j * row_bytes, row_bytes, x, k, y + j, ldy, DOT_J, 1);            \
+        if (m == 2)                                                                            \
+            for (; j + 2 <= n_end; j += 2)                                                     \
+                dots_##T(w + j * row_bytes, row_bytes, x, k, y + j, ldy, 2, 2);                \
+        for (; j < n_end; j++) {                                                               \
+            const uint8_t *row = w + j * row_bytes;                                            \
+            switch (m) {                                                                       \
+            case 1: dots_##T(row, row_bytes, x, k, y + j, ldy, 1, 1); break;                   \
+            case 2: dots_##T(row, row_bytes, x, k, y + j, ldy, 1, 2); break;                   \
+            case 3: dots_##T(row, row_bytes, x, k, y + j, ldy, 1, 3); break;                   \
+            default: dots_##T(row, row_bytes, x, k, y + j, ldy, 1, 4); break;                  \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* weights_<type>(block, s, w): sub-block s's 32 weights as vf, d q + m each. */
+#define DEFINE_WEIGHTS(T)                                                                      \
     static inline void weights_##T(const uint8_t *block, int s, vf w[Q32_VECTORS]) {           \
         float d[2], m;                                                                         \
         q32_to_vf(unpack_##T(block, s, d, &m), w);                                             \
         for (int v = 0; v < Q32_VECTORS; v++)                                                  \
             w[v] = vf_fma(w[v], vf_set1(d[v * VF_W / 16]), vf_set1(m));                        \
-    }                                                                                          \
-    static void row_##T(const uint8_t *row, int64_t k, float *out) {                           \
-        for (int64_t c = 0; c < k; c += 32) {                                                  \
-            vf w[Q32_VECTORS];                                                                 \
-            weights_##T(row + c / (32 * SUBS) * BYTES, (int)(c / 32 % SUBS), w);              \
-            for (int v = 0; v < Q32_VECTORS; v++) vf_store(out + c + v * VF_W, w[v]);          \
-        }                                                                                      \
-    }                                                                                          \
-    static inline __attribute__((always_inline)) void dots_##T(                                \
-        const uint8_t *row, const float *x, int64_t k, float *y, int64_t ldy, const int rows) { \
-        vf acc[GEMV_ROWS];                                                                     \
-        for (int r = 0; r < rows; r++) acc[r] = vf_zero();                                     \
-        for (int64_t c = 0; c < k; c += 32) {                                                  \
-            vf w[Q32_VECTORS];                                                                 \
-            weights_##T(row + c / (32 * SUBS) * BYTES, (int)(c / 32 % SUBS), w);              \
-            for (int r = 0; r < rows; r++)                                                     \
-                for (int v = 0; v < Q32_VECTORS; v++)                                          \
-                    acc[r] = vf_fma(w[v], vf_load(x + r * k + c + v * VF_W), acc[r]);          \
-        }                                                                                      \
-        for (int r = 0; r < rows; r++) y[r * ldy] = vf_sum(acc[r]);                            \
-    }                                                                                          \
-    static void gemv_##T(const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,       \
-                         int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end,     \
-                         float *row_buf) {                                                     \
-        for (int64_t j = n_begin; j < n_end; j++) {                                            \
-            const uint8_t *row = w + j * row_bytes;                                            \
-            switch (m) {                                                                       \
-            case 1: dots_##T(row, x, k, y + j, ldy, 1); break;                                 \
-            case 2: dots_##T(row, x, k, y + j, ldy, 2); break;                                 \
-            case 3: dots_##T(row, x, k, y + j, ldy, 3); break;                                 \
-            case 4: dots_##T(row, x, k, y + j, ldy, 4); break;                                 \
-            default:                                                                           \
-                row_##T(row, k, row_buf);                                                      \
-                dense_dots(row_buf, x, m, k, y + j, ldy);                                      \
-            }                                                                                  \
-        }                                                                                      \
     }
 
-/* The dot products of one dequantized row (in L1) with m input rows, GEMV_ROWS at a time,
-   each accumulated as dots_<type> accumulates it. */
-static inline __attribute__((always_inline)) void dense_rows(const float *w, const float *x,
-                                                             int64_t k, float *y, int64_t ldy,
-                                                             const int rows) {
-    vf acc[GEMV_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = vf_zero();
-    for (int64_t c = 0; c < k; c += VF_W) {
-        const vf wv = vf_load(w + c);
-        for (int r = 0; r < rows; r++) acc[r] = vf_fma(wv, vf_load(x + r * k + c), acc[r]);
-    }
-    for (int r = 0; r < rows; r++) y[r * ldy] = vf_sum(acc[r]);
+#if defined(PC_X86)
+/* x86: the types whose integers are plain nibbles or bytes go straight from memory to int32
+   lanes (vpmovzxbd / vpmovsxbd), then to floats: fewer instructions than through a q32 of
+   bytes, where a batch-1 step is bound by them (the others keep the q32 path). */
+#if defined(PC_ISA_AVX512)
+typedef __m512i vi;
+static inline vi vi_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vi_low_nibbles(vi z) { return _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15))); }
+static inline vf vi_high_nibbles(vi z) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)); }
+static inline vf vi_float(vi z) { return _mm512_cvtepi32_ps(z); }
+#else
+typedef __m256i vi;
+static inline vi vi_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vi_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vf vi_low_nibbles(vi z) { return _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(15))); }
+static inline vf vi_high_nibbles(vi z) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(z, 4)); }
+static inline vf vi_float(vi z) { return _mm256_cvtepi32_ps(z); }
+#endif
+
+/* an fp16 scale broadcast to every lane: vpbroadcastw and one vector conversion, where the
+   scalar conversion and a broadcast took twice the instructions */
+static inline vf fp16_lanes(const uint8_t *p) {
+    int16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(PC_ISA_AVX512)
+    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+#else
+    return _mm256_cvtph_ps(_mm_set1_epi16(h));
+#endif
 }
 
-static void dense_dots(const float *w, const float *x, int64_t m, int64_t k, float *y,
-                       int64_t ldy) {
-    int64_t r = 0;
-    for (; r + GEMV_ROWS <= m; r += GEMV_ROWS) dense_rows(w, x + r * k, k, y + r * ldy, ldy, 4);
-    switch (m - r) {
-    case 1: dense_rows(w, x + r * k, k, y + r * ldy, ldy, 1); break;
-    case 2: dense_rows(w, x + r * k, k, y + r * ldy, ldy, 2); break;
-    case 3: dense_rows(w, x + r * k, k, y + r * ldy, ldy, 3); break;
-    default: break;
+/* 16 bytes of nibbles: their low nibbles are weights 0-15, their high ones 16-31 */
+static inline void nibble_pairs(const uint8_t *p, vf d, vf m, vf w[Q32_VECTORS]) {
+    for (int h = 0; h < Q32_VECTORS / 2; h++) {
+        const vi z = vi_u8(p + h * VF_W);
+        w[h] = vf_fma(vi_low_nibbles(z), d, m);
+        w[h + Q32_VECTORS / 2] = vf_fma(vi_high_nibbles(z), d, m);
     }
 }
+
+static inline void weights_q4_0(const uint8_t *b, int s, vf w[Q32_VECTORS]) {
+    (void)s;
+    const vf d = fp16_lanes(b);
+    nibble_pairs(b + 2, d, vf_mul(d, vf_set1(-8.0f)), w); /* d q - 8 d: both exact */
+}
+
+static inline void weights_q4_1(const uint8_t *b, int s, vf w[Q32_VECTORS]) {
+    (void)s;
+    nibble_pairs(b + 4, fp16_lanes(b), fp16_lanes(b + 2), w);
+}
+
+static inline void weights_q8_0(const uint8_t *b, int s, vf w[Q32_VECTORS]) {
+    (void)s;
+    const vf d = fp16_lanes(b);
+    for (int h = 0; h < Q32_VECTORS; h++) w[h] = vf_mul(vi_float(vi_s8(b + 2 + h * VF_W)), d);
+}
+
+static inline void weights_q4_k(const uint8_t *b, int s, vf w[Q32_VECTORS]) {
+    float sc, mn;
+    k_scale_min(b + 4, s, &sc, &mn);
+    const vf d = vf_set1(fp16_scale(b) * sc), m = vf_set1(-fp16_scale(b + 2) * mn);
+    const uint8_t *q = b + 16 + 32 * (s / 2);
+    for (int h = 0; h < Q32_VECTORS; h++) {
+        const vi z = vi_u8(q + h * VF_W);
+        w[h] = vf_fma(s & 1 ? vi_high_nibbles(z) : vi_low_nibbles(z), d, m);
+    }
+}
+#else
+DEFINE_WEIGHTS(q4_0)
+DEFINE_WEIGHTS(q4_1)
+DEFINE_WEIGHTS(q8_0)
+DEFINE_WEIGHTS(q4_k)
+#endif
+DEFINE_WEIGHTS(q5_0)
+DEFINE_WEIGHTS(q5_k)
+DEFINE_WEIGHTS(q6_k)
 
 DEFINE_TYPE(q4_0, 1, 18)
 DEFINE_TYPE(q4_1, 1, 20)
@@ -346,7 +494,7 @@ static row_fn row_kernel(int64_t type) {
 void PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                  int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     float *row_buf = NULL;
-    if (m > GEMV_ROWS && (row_buf = malloc(sizeof(float) * (size_t)k)) == NULL) {
+    if (m > GEMV_ROWS && (row_buf = malloc(sizeof(float) * (size_t)(TILE_J * k))) == NULL) {
         /* no room for a dequantized row: the same sums, the weights read once per 4 rows */
         for (int64_t r = 0; r < m; r += GEMV_ROWS) {
             const int64_t rows = m - r < GEMV_ROWS ? m - r : GEMV_ROWS;
