@@ -329,7 +329,7 @@ static void dense_block(const float *w, int rows, const float *x, int64_t m, int
     static inline __attribute__((always_inline)) void dots_##T(                                \
         const uint8_t *row, int64_t row_bytes, const float *x, int64_t k, float *y, int64_t ldy, \
         const int J, const int rows) {                                                         \
-        vf acc[DOT_J][GEMV_ROWS];                                                              \
+        vf acc[DOT_J > 2 ? DOT_J : 2][GEMV_ROWS]; /* two input rows take two weight rows */  \
         for (int j = 0; j < J; j++)                                                            \
             for (int r = 0; r < rows; r++) acc[j][r] = vf_zero();                              \
         const float *xc = x;                                                                   \
