@@ -66,8 +66,11 @@ def isas(arch: str) -> tuple[Isa, ...]:
     return ISAS[arch]
 
 
-def compile_commands(compiler: str, arch: str, out_dir: Path) -> list[list[str]]:
-    """One command per object: the per-ISA sources once per version, the rest once."""
+def compile_commands(
+    compiler: str, arch: str, out_dir: Path, extra: tuple[str, ...] = ()
+) -> list[list[str]]:
+    """One command per object: the per-ISA sources once per version, the rest once (`extra`
+    flags added to each: warnings, sanitizers)."""
     include = f"-I{SOURCE_DIR}"
     commands = []
     for isa in isas(arch):
@@ -75,15 +78,15 @@ def compile_commands(compiler: str, arch: str, out_dir: Path) -> list[list[str]]
             target = out_dir / f"{Path(source).stem}_{isa.name}.o"
             defines = (f"-D{isa.macro}=1", f"-DPC_ISA={isa.name}")
             commands.append(
-                [compiler, *COMMON_FLAGS, *isa.flags, *defines, include, "-c",
+                [compiler, *COMMON_FLAGS, *extra, *isa.flags, *defines, include, "-c",
                  str(SOURCE_DIR / source), "-o", str(target)]
             )  # fmt: skip
     baseline = isas(arch)[0].flags
     for source in ONCE_SOURCES:
         target = out_dir / f"{Path(source).stem}.o"
         commands.append(
-            [compiler, *COMMON_FLAGS, *baseline, include, "-c", str(SOURCE_DIR / source),
-             "-o", str(target)]
+            [compiler, *COMMON_FLAGS, *extra, *baseline, include, "-c",
+             str(SOURCE_DIR / source), "-o", str(target)]
         )  # fmt: skip
     return commands
 
@@ -125,27 +128,40 @@ def build(compiler: str, output: Path, arch: str | None = None, jobs: int = 2) -
     return output
 
 
-def build_harness(compiler: str, output: Path, arch: str, jobs: int = 2) -> Path:
-    """The kernels with harness.c as one static program (src/harness.c says what it runs):
-    for an architecture this process cannot load a library of, run under qemu-user."""
+def build_harness(
+    compiler: str, output: Path, arch: str, jobs: int = 2, sanitize: bool = False
+) -> Path:
+    """The kernels with harness.c as one program (src/harness.c says what it runs): static,
+    for an architecture this process cannot load a library of, run under qemu-user; or, with
+    `sanitize`, for this one under AddressSanitizer and UBSan (every access checked)."""
     output.parent.mkdir(parents=True, exist_ok=True)
+    extra = SANITIZERS if sanitize else ()
     with tempfile.TemporaryDirectory(dir=output.parent) as work:
-        commands = compile_commands(compiler, arch, Path(work))
+        commands = compile_commands(compiler, arch, Path(work), extra)
         harness = Path(work) / "harness.o"
         include = f"-I{SOURCE_DIR}"
         baseline = isas(arch)[0].flags
         commands.append(
-            [compiler, *COMMON_FLAGS, *baseline, include, "-c", str(SOURCE_DIR / "harness.c"),
-             "-o", str(harness)]
+            [compiler, *COMMON_FLAGS, *extra, *baseline, include, "-c",
+             str(SOURCE_DIR / "harness.c"), "-o", str(harness)]
         )  # fmt: skip
         _run_all(commands, jobs)
+        link = [*extra] if sanitize else ["-static"]
         subprocess.run(
-            [compiler, "-static", "-pthread", "-o", str(output), *objects(commands), "-lm"],
+            [compiler, *link, "-pthread", "-o", str(output), *objects(commands), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
         )
     return output
+
+
+SANITIZERS = (
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+)
+WARNINGS = ("-Wall", "-Wextra", "-Wshadow", "-Werror")
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> None:

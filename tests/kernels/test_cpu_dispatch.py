@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,14 @@ def test_a_forked_child_starts_its_own_helper_thread() -> None:
         child.kill()
         pytest.fail("the forked child hung in the split call")
     assert child.exitcode == 0 and queue.get(timeout=5) is True
+
+
+@pytest.mark.parametrize("arch", sorted(build.ISAS))
+def test_every_version_compiles_without_a_warning(tmp_path: Path, arch: str) -> None:
+    compiler = "cc" if arch == build.machine() else f"{arch}-linux-gnu-gcc"
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler} (apt-get install gcc-{arch.replace('_', '-')}-linux-gnu)")
+    commands = build.compile_commands(compiler, arch, tmp_path, build.WARNINGS)
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(command[-3:])}:\n{done.stderr[-3000:]}"

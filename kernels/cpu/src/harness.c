@@ -59,6 +59,22 @@ static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx5
 #endif
 #define VERSIONS ((int)(sizeof versions / sizeof versions[0]))
 
+/* Every buffer the run allocates, freed before it exits: under LeakSanitizer a leak is then
+   the kernels' own. */
+static void *owned[32];
+static int num_owned;
+
+static void *take(size_t size) {
+    void *p = malloc(size ? size : 1);
+    if (p == NULL || num_owned == 32) exit(2);
+    return owned[num_owned++] = p;
+}
+
+static int finish(int status) {
+    while (num_owned) free(owned[--num_owned]);
+    return status;
+}
+
 static void *load(const char *path, size_t *size) {
     FILE *f = fopen(path, "rb");
     if (f == NULL) {
@@ -68,8 +84,8 @@ static void *load(const char *path, size_t *size) {
     fseek(f, 0, SEEK_END);
     const long length = ftell(f);
     fseek(f, 0, SEEK_SET);
-    void *data = malloc((size_t)length + 1);
-    if (data == NULL || fread(data, 1, (size_t)length, f) != (size_t)length) exit(2);
+    void *data = take((size_t)length + 1);
+    if (fread(data, 1, (size_t)length, f) != (size_t)length) exit(2);
     fclose(f);
     if (size) *size = (size_t)length;
     return data;
@@ -92,7 +108,7 @@ int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "runs") == 0) {
         for (int i = 0; i < VERSIONS; i++)
             if (pc_cpu_runs(versions[i].name)) printf("%s\n", versions[i].name);
-        return 0;
+        return finish(0);
     }
     if (argc < 3) return 2;
     const version *v = NULL;
@@ -107,34 +123,35 @@ int main(int argc, char **argv) {
         const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
         const uint8_t *w = load(a[5], NULL);
         const float *x = load(a[6], NULL);
-        float *y = malloc(sizeof(float) * (size_t)(m * rows));
+        float *y = take(sizeof(float) * (size_t)(m * rows));
         const pc_projection p = {.part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows,
                                  .k = k};
         pc_gemv_threads(&v->kernels, &p, x, m, y, num(a[4]));
         save(a[7], y, sizeof(float) * (size_t)(m * rows));
-        return 0;
+        return finish(0);
     }
     if (strcmp(op, "dequant") == 0 && n == 5) {
         const int64_t type = num(a[0]), rows = num(a[1]), k = num(a[2]);
         const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
-        float *out = malloc(sizeof(float) * (size_t)(rows * k));
-        if (v->dequant(type, load(a[3], NULL), row_bytes, k, 0, rows, out, k, PC_F32)) return 1;
+        float *out = take(sizeof(float) * (size_t)(rows * k));
+        const uint8_t *w = load(a[3], NULL);
+        if (v->dequant(type, w, row_bytes, k, 0, rows, out, k, PC_F32)) return finish(1);
         save(a[4], out, sizeof(float) * (size_t)(rows * k));
-        return 0;
+        return finish(0);
     }
     if (strcmp(op, "attend") == 0 && n == 13) {
         const int64_t b = num(a[1]), hq = num(a[2]), d = num(a[4]), context = num(a[5]);
-        float *out = malloc(sizeof(float) * (size_t)(b * hq * d));
-        float *scores = malloc(sizeof(float) * (size_t)(hq * context));
+        float *out = take(sizeof(float) * (size_t)(b * hq * d));
+        float *scores = take(sizeof(float) * (size_t)(hq * context));
         const pc_attention att = {.q = load(a[7], NULL), .q_stride = hq * d,
                                   .k_cache = load(a[8], NULL), .v_cache = load(a[9], NULL),
                                   .cache_type = num(a[0]), .slots = load(a[10], NULL),
                                   .slot_stride = context, .seq_lens = load(a[11], NULL),
                                   .out = out, .scores = scores, .hq = hq, .hkv = num(a[3]),
                                   .d = d, .scale = strtof(a[6], NULL)};
-        if (v->kernels.attend(&att, 0, b, 0)) return 1;
+        if (v->kernels.attend(&att, 0, b, 0)) return finish(1);
         save(a[12], out, sizeof(float) * (size_t)(b * hq * d));
-        return 0;
+        return finish(0);
     }
     if (strcmp(op, "rope_write") == 0 && n == 15) {
         const int64_t cache = num(a[0]), m = num(a[1]), hq = num(a[2]), hkv = num(a[3]);
@@ -146,21 +163,21 @@ int main(int argc, char **argv) {
         save(a[12], qkv, sizeof(float) * (size_t)(m * (hq + 2 * hkv) * d));
         save(a[13], kc, element_size(cache) * (size_t)(slots * hkv * d));
         save(a[14], vc, element_size(cache) * (size_t)(slots * hkv * d));
-        return 0;
+        return finish(0);
     }
     if (strcmp(op, "rms_norm") == 0 && n == 6) {
         const int64_t rows = num(a[0]), d = num(a[1]);
-        float *out = malloc(sizeof(float) * (size_t)(rows * d));
+        float *out = take(sizeof(float) * (size_t)(rows * d));
         v->kernels.rms_norm(load(a[3], NULL), load(a[4], NULL), out, rows, d, strtof(a[2], NULL));
         save(a[5], out, sizeof(float) * (size_t)(rows * d));
-        return 0;
+        return finish(0);
     }
     if (strcmp(op, "silu_mul") == 0 && n == 4) {
         const int64_t m = num(a[0]), inter = num(a[1]);
-        float *out = malloc(sizeof(float) * (size_t)(m * inter));
+        float *out = take(sizeof(float) * (size_t)(m * inter));
         v->kernels.silu_mul(load(a[2], NULL), out, inter, 0, m * inter);
         save(a[3], out, sizeof(float) * (size_t)(m * inter));
-        return 0;
+        return finish(0);
     }
     fprintf(stderr, "unknown command or arguments: %s (%d)\n", op, n);
     return 2;

@@ -1,9 +1,11 @@
-"""The arm64 versions of the CPU kernels (generic and neon), cross-compiled with Debian's
-gcc-aarch64-linux-gnu into kernels/cpu/src/harness.c and run under qemu-user, each kernel on
-the same kind of inputs and references as tests/kernels/test_cpu_ops.py checks on this CPU.
+"""The CPU kernels through kernels/cpu/src/harness.c, each kernel on the same kind of inputs
+and references as tests/kernels/test_cpu_ops.py checks through the library:
 
-`make test` installs the cross compiler and qemu-user where it runs as root; elsewhere these
-tests skip, saying which tool is missing."""
+- arm64: the generic and neon versions cross-compiled with Debian's gcc-aarch64-linux-gnu and
+  run under qemu-user (`make test` installs both where it runs as root; elsewhere these skip,
+  saying which tool is missing);
+- this CPU's versions under AddressSanitizer and UBSan: every load and store of every kernel
+  checked (an overrun of a stack array showed only as a crash elsewhere)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,10 @@ from service.engine.model import apply_rope
 COMPILER = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 ARM_VERSIONS = [isa.name for isa in build.isas("aarch64")]
-
-pytestmark = pytest.mark.skipif(
-    shutil.which(COMPILER) is None or shutil.which(QEMU) is None,
-    reason=f"needs {COMPILER} and {QEMU} (apt-get install gcc-aarch64-linux-gnu qemu-user)",
-)
+ARM64, SANITIZED = "arm64 under qemu", "this CPU under ASan"
+TARGETS = [(ARM64, isa) for isa in ARM_VERSIONS] + [
+    (SANITIZED, isa.name) for isa in build.isas(build.machine())
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +46,41 @@ Run = Callable[..., list[torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build.build_harness(COMPILER, tmp_path_factory.mktemp("arm64") / "harness", "aarch64")
+def harnesses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """The command that runs each target's harness, built once (a target whose tools are
+    missing is absent)."""
+    out = tmp_path_factory.mktemp("harness")
+    commands = {
+        SANITIZED: [str(build.build_harness("cc", out / "asan", build.machine(), sanitize=True))]
+    }
+    if shutil.which(COMPILER) and shutil.which(QEMU):
+        commands[ARM64] = [QEMU, str(build.build_harness(COMPILER, out / "arm64", "aarch64"))]
+    return commands
+
+
+@pytest.fixture(params=TARGETS, ids=[f"{t}-{isa}" for t, isa in TARGETS])
+def target(
+    request: pytest.FixtureRequest, harnesses: dict[str, list[str]]
+) -> tuple[list[str], str]:
+    """(the harness command, a version it runs), where this machine can run it."""
+    name, isa = request.param
+    if name not in harnesses:
+        pytest.skip(
+            f"needs {COMPILER} and {QEMU} (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        )
+    runs = subprocess.run([*harnesses[name], "runs"], capture_output=True, text=True, timeout=60)
+    if isa not in runs.stdout.split():
+        pytest.skip(f"this CPU cannot execute the {isa} kernels")
+    return harnesses[name], isa
 
 
 @pytest.fixture
-def run(harness: Path, tmp_path: Path) -> Run:
-    """run(isa, op, *args): tensors are written to files passed as inputs, each `Out` is an
-    output file; returns the outputs, read back, in order."""
+def run(target: tuple[list[str], str], tmp_path: Path) -> Run:
+    """run(op, *args): tensors are written to files passed as inputs, each `Out` is an output
+    file; returns the outputs, read back, in order."""
+    command, isa = target
 
-    def call(isa: str, op: str, *args: object) -> list[torch.Tensor]:
+    def call(op: str, *args: object) -> list[torch.Tensor]:
         argv: list[str] = []
         outputs: list[tuple[Path, Out]] = []
         for i, arg in enumerate(args):
@@ -69,7 +95,7 @@ def run(harness: Path, tmp_path: Path) -> Run:
                 continue
             argv.append(str(path))
         done = subprocess.run(
-            [QEMU, str(harness), isa, op, *argv], capture_output=True, text=True, timeout=120
+            [*command, isa, op, *argv], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr
         return [
@@ -80,9 +106,13 @@ def run(harness: Path, tmp_path: Path) -> Run:
     return call
 
 
-def test_qemus_cpu_runs_every_arm64_version(harness: Path) -> None:
-    done = subprocess.run([QEMU, str(harness), "runs"], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ARM_VERSIONS
+def test_qemus_cpu_runs_every_arm64_version(harnesses: dict[str, list[str]]) -> None:
+    if ARM64 not in harnesses:
+        pytest.skip(
+            f"needs {COMPILER} and {QEMU} (apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        )
+    runs = subprocess.run([*harnesses[ARM64], "runs"], capture_output=True, text=True, timeout=60)
+    assert runs.stdout.split() == ARM_VERSIONS
 
 
 def _gguf(weight: Blocks) -> torch.Tensor:
@@ -90,30 +120,28 @@ def _gguf(weight: Blocks) -> torch.Tensor:
     return torch.from_numpy(np.array(gguf.quants.dequantize(weight.data.numpy(), kind)))
 
 
-@pytest.mark.parametrize("isa", ARM_VERSIONS)
 @pytest.mark.parametrize("kind", list(WeightType))
-def test_arm64_dequantizes_exactly_and_multiplies_in_fp32(
-    run: Run, isa: str, kind: WeightType
-) -> None:
+def test_the_harness_dequantizes_exactly_and_multiplies_in_fp32(run: Run, kind: WeightType) -> None:
     gen = torch.Generator().manual_seed(int(kind))
     k = 512 if kind >= WeightType.Q4_K else 64
     weight = random_blocks(kind, 20, k, gen)
     want_w = _gguf(weight)
-    (dense,) = run(isa, "dequant", int(kind), 20, k, weight.data, Out(torch.float32, (20, k)))
+    (dense,) = run("dequant", int(kind), 20, k, weight.data, Out(torch.float32, (20, k)))
     assert torch.equal(dense, want_w)
-    for rows, threads in ((1, 1), (5, 1), (3, 2)):  # in registers, a dequantized row, 2 threads
+    # in registers, two rows at once, tiles of dequantized rows (a full one and a rest), and
+    # split with the helper thread
+    for rows, threads in ((1, 1), (2, 1), (5, 1), (11, 1), (3, 2)):
         x = torch.randn(rows, k, generator=gen)
         (y,) = run(
-            isa, "gemv", int(kind), rows, 20, k, threads, weight.data, x,
+            "gemv", int(kind), rows, 20, k, threads, weight.data, x,
             Out(torch.float32, (rows, 20)),
         )  # fmt: skip
         bound = k * 2.0**-24 * (x.double().abs() @ want_w.double().abs().t()) + 1e-30
         assert ((y.double() - x.double() @ want_w.double().t()).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("isa", ARM_VERSIONS)
 @pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))
-def test_arm64_attention_and_rope_match_torch(run: Run, isa: str, dtype: torch.dtype) -> None:
+def test_the_harness_attention_and_rope_match_torch(run: Run, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(21)
     hq, hkv, d, slots_total = 6, 2, 64, 48
     k, v = (torch.randn(slots_total, hkv, d, generator=gen).to(dtype) for _ in range(2))
@@ -122,7 +150,7 @@ def test_arm64_attention_and_rope_match_torch(run: Run, isa: str, dtype: torch.d
     slots = torch.stack([torch.randperm(slots_total, generator=gen)[:40] for _ in range(2)])
     code = ops.ELEMENT_TYPES[dtype]
     (got,) = run(
-        isa, "attend", code, 2, hq, hkv, d, 40, 0.125, query, k, v, slots, lens,
+        "attend", code, 2, hq, hkv, d, 40, 0.125, query, k, v, slots, lens,
         Out(torch.float32, (2, hq, d)),
     )  # fmt: skip
     for b in range(2):
@@ -143,7 +171,7 @@ def test_arm64_attention_and_rope_match_torch(run: Run, isa: str, dtype: torch.d
     write = torch.tensor([7, 0, 22])
     empty = torch.zeros(24, hkv, d, dtype=dtype)
     rotated, key_cache, value_cache = run(
-        isa, "rope_write", code, 3, hq, hkv, d, 24, qkv, cos, sin, write, empty, empty,
+        "rope_write", code, 3, hq, hkv, d, 24, qkv, cos, sin, write, empty, empty,
         Out(torch.float32, (3, hq + 2 * hkv, d)), Out(dtype, (24, hkv, d)),
         Out(dtype, (24, hkv, d)),
     )  # fmt: skip
@@ -154,14 +182,13 @@ def test_arm64_attention_and_rope_match_torch(run: Run, isa: str, dtype: torch.d
     assert torch.equal(value_cache[write], heads[:, hq + hkv :].to(dtype))
 
 
-@pytest.mark.parametrize("isa", ARM_VERSIONS)
-def test_arm64_rms_norm_and_silu_match_torch(run: Run, isa: str) -> None:
+def test_the_harness_rms_norm_and_silu_match_torch(run: Run) -> None:
     gen = torch.Generator().manual_seed(22)
     x, w = torch.randn(5, 101, generator=gen) * 3, torch.randn(101, generator=gen)
-    (normed,) = run(isa, "rms_norm", 5, 101, 1e-5, x, w, Out(torch.float32, (5, 101)))
+    (normed,) = run("rms_norm", 5, 101, 1e-5, x, w, Out(torch.float32, (5, 101)))
     want = F.rms_norm(x, (101,), w, 1e-5)
     assert torch.allclose(normed, want, rtol=1e-5, atol=1e-6)
     gate_up = torch.randn(4, 2 * 96, generator=gen) * 8
-    (gated,) = run(isa, "silu_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
+    (gated,) = run("silu_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
