@@ -1,5 +1,6 @@
-"""Every decoder layer of a decode step in one native call (stack.c, pc_decode_layers), on one
-or two threads, through the kernel versions a `KernelSet` chose."""
+"""Every decoder layer of a step in one native call (stack.c, pc_decode_layers), on one or two
+threads, through the kernel versions a `KernelSet` chose: decode rows and short prefill
+chunks alike, each row with its own context."""
 
 from __future__ import annotations
 
@@ -51,6 +52,28 @@ class CDecoderShape(ctypes.Structure):
 
 
 @dataclass(frozen=True, slots=True)
+class StackRows:
+    """A step's rows as the stack reads them, one per token: where its K/V go, the pages of
+    its sequence and its context length (its position + 1: a prefill chunk's rows see the
+    chunk's earlier tokens, written in the same layer before any row attends)."""
+
+    slots: Tensor  # [M] int64
+    block_tables: Tensor  # [M, W] int32: each row's sequence's table
+    seq_lens: Tensor  # [M] int32
+    block_size: int
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, positions: Tensor) -> StackRows:
+        """The rows of a step's metadata; `positions` [M] are the tokens' positions."""
+        tables = meta.block_tables
+        if meta.max_query_len > 1:  # rows of a chunk share their sequence's table
+            counts = torch.tensor(meta.query_lens_host, device=tables.device)
+            tables = tables.index_select(0, torch.repeat_interleave(counts)).contiguous()
+        lens = (positions + 1).to(torch.int32)
+        return cls(meta.slot_mapping, tables, lens, meta.block_size)
+
+
+@dataclass(frozen=True, slots=True)
 class StackLayer:
     """The tensors of one layer the stack reads: each must outlive the stack (it keeps their
     addresses, and holds these references so that they do)."""
@@ -63,7 +86,7 @@ class StackLayer:
 
 
 class DecoderStack:
-    """Every decoder layer of a decode step in one call of pc_decode_layers.
+    """Every decoder layer of a step in one call of pc_decode_layers.
 
     Built once per model and KV pool: the layers' addresses go into a C array here, and each
     step passes only its rows. The library checks every projection's types and sizes, the
@@ -106,21 +129,19 @@ class DecoderStack:
         # Set to a ctypes.c_int64 to have each call add its GEMVs' nanoseconds to it.
         self.matmul_ns: ctypes.c_int64 | None = None
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, rows: StackRows) -> Tensor:
         """x [M, hidden] fp32 (the residual stream, updated in place and returned), cos and
-        sin [M, D] (each row's RoPE rows, sin signed for rotate_half), `meta` a decode
-        step's: one new token per sequence, its K/V written to `meta.slot_mapping`."""
+        sin [M, D] (each row's RoPE rows, sin signed for rotate_half), `rows` each row's
+        write slot, pages and context length: any mix of decode rows and prefill chunks."""
         m = x.shape[0]
-        if meta.num_tokens != m or meta.num_seqs != m or meta.max_query_len > 1:
-            raise ValueError(f"{m} rows for a step of {meta.query_lens_host} tokens")
-        if meta.block_size != self.shape.block_size:
-            raise ValueError(f"blocks of {meta.block_size} for a pool of {self.shape.block_size}")
+        if rows.block_size != self.shape.block_size:
+            raise ValueError(f"blocks of {rows.block_size} for a pool of {self.shape.block_size}")
         ops._check(x, (m, self.shape.hidden), (torch.float32,), "x")
         ops._check(cos, (m, self.shape.head_dim), (torch.float32,), "cos")
         ops._check(sin, (m, self.shape.head_dim), (torch.float32,), "sin")
-        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
-        ops._check(slots, (m,), (torch.int64,), "slot_mapping")
-        ops._check(tables, tuple(tables.shape), (torch.int32,), "block_tables")
+        slots, tables, lens = rows.slots, rows.block_tables, rows.seq_lens
+        ops._check(slots, (m,), (torch.int64,), "slots")
+        ops._check(tables, (m, tables.shape[1]), (torch.int32,), "block_tables")
         ops._check(lens, (m,), (torch.int32,), "seq_lens")
         status = self.kernels.lib.pc_decode_layers(
             ctypes.byref(self.kernels.table),

@@ -26,6 +26,7 @@ from service.engine.blocks import (
 )
 from service.engine.config import EngineConfig
 from service.engine.cuda_graphs import StepRunner, make_step_runner
+from service.engine.host_memory import release_freed, tune_allocator
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
 from service.engine.runner import ModelRunner
@@ -148,6 +149,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         torch.set_num_threads(config.num_threads)
+        tune_allocator()
         self.config = config
         device = config.torch_device()
         if loaded is None:
@@ -161,6 +163,7 @@ class LLMEngine:
                 serve_stored=config.serve_stored(),
                 threads=config.native_threads(),
             )
+            release_freed()  # what loading freed, before the KV pools are committed
         # A model loaded by the caller decides the activations; the KV cache follows them
         # unless `kv_cache_dtype` says otherwise (float16 on the CPU by default).
         self.activation_dtype = loaded.model.activation_dtype

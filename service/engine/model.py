@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
-from kernels.cpu.stack import CDecoderShape, DecoderStack, StackLayer
+from kernels.cpu.stack import CDecoderShape, DecoderStack, StackLayer, StackRows
 from kernels.metadata import AttentionMetadata
 from service.engine.quant import (
     HEAD_TYPE,
@@ -303,7 +303,9 @@ class LlamaModel(nn.Module):
             if packed and isinstance(owner, nn.Linear | nn.Embedding):
                 assert kernels is not None
                 head = not isinstance(owner, Linear) or prefix == "lm_head"
-                linear = QuantLinear(packed_weight(w, head), kernels, scratch=scratch, threads=threads)
+                linear = QuantLinear(
+                    packed_weight(w, head), kernels, scratch=scratch, threads=threads
+                )
                 module: nn.Module = linear
                 if isinstance(owner, nn.Embedding):
                     if args.tie_word_embeddings:
@@ -397,8 +399,8 @@ class LlamaModel(nn.Module):
     def native_decoder_stack(
         self, caches: Sequence[tuple[Tensor, Tensor]], threads: int = 1
     ) -> DecoderStack | None:
-        """Every layer of a decode step in one native call (`forward_decode_natively`), where
-        this model can take it: packed projections, fp32 activations, and a contiguous CPU
+        """Every layer of a step in one native call (`forward_natively`), where this model can
+        take it: packed projections, fp32 activations, and a contiguous CPU
         cache (fp32, fp16 or bf16) with heads the kernels take. None elsewhere: the layers
         then run op by op through `forward`."""
         if not _runs_natively(self, caches):
@@ -429,20 +431,20 @@ class LlamaModel(nn.Module):
             )
         return DecoderStack(self.kernels, shape, layers, threads)
 
-    def forward_decode_natively(
+    def forward_natively(
         self,
         input_ids: Tensor,
         positions: Tensor,
         stack: DecoderStack,
         meta: AttentionMetadata,
     ) -> Tensor:
-        """`forward` for a decode step (one new token per sequence), its layers in one call
-        of `stack`: the same arithmetic, without the ~25 torch ops a layer. [T] -> [T, hidden]."""
+        """`forward`, its layers in one call of `stack`: the same arithmetic, without the ~25
+        torch ops a layer. [T] -> [T, hidden]."""
         x = self.embed_tokens(input_ids).to(self.activation_dtype).contiguous()  # [T, hidden]
         cos = self.cos_table.index_select(0, positions)  # [T, D]
         sin = self.sin_table.index_select(0, positions)  # [T, D]
-        hidden: Tensor = self.norm(stack(x, cos, sin, meta))  # [T, hidden]
-        return hidden
+        hidden: Tensor = self.norm(stack(x, cos, sin, StackRows.of(meta, positions)))
+        return hidden  # [T, hidden]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32

@@ -67,7 +67,7 @@ class StepInputs:
     meta: AttentionMetadata
     plan: object  # the attention backend's per-step plan; None where the native stack runs
     sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
-    native_decode: bool = False  # every layer in one call of the runner's `decoder_stack`
+    native: bool = False  # every layer in one call of the runner's `decoder_stack`
 
 
 @dataclass(slots=True)
@@ -123,11 +123,10 @@ class ModelRunner:
         # Views into the device pool, taken once: indexing the pool per layer and step cost
         # four ops on the decode hot path. The pool is written in place, never replaced.
         self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
-        # Decode steps run every layer in one native call where the model can
+        # Steps run every layer in one native call where the model can
         # (model.native_decoder_stack): at one row, the torch path's ~25 ops a layer cost
-        # about as much as the layer's packed matmuls.
+        # about as much as the layer's packed matmuls, and in a prefill chunk a third.
         self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
-        self.max_native_decode_rows = MAX_NATIVE_DECODE_ROWS
 
     @property
     def native_decode_threads(self) -> int:
@@ -222,21 +221,24 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
-        native_decode = self._runs_natively(query_lens)
+        native = self._runs_natively(query_lens, seq_lens)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
-            plan=None if native_decode else self.backend.plan(meta),
+            plan=None if native else self.backend.plan(meta),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            native_decode=native_decode,
+            native=native,
         )
 
-    def _runs_natively(self, query_lens: list[int]) -> bool:
-        """A decode step (one token per sequence) of few enough rows for the native stack."""
-        if self.decoder_stack is None or len(query_lens) > self.max_native_decode_rows:
+    def _runs_natively(self, query_lens: list[int], seq_lens: list[int]) -> bool:
+        """A step the native stack takes: few enough rows, and contexts short enough for
+        its attention, which reads each row's context itself (a prefill chunk's rows each
+        read theirs: over long contexts torch's flash attention, which reads them once per
+        block of rows, is the faster)."""
+        if self.decoder_stack is None or sum(query_lens) > MAX_NATIVE_ROWS:
             return False
-        return all(n == 1 for n in query_lens)
+        return max(query_lens) == 1 or max(seq_lens) <= MAX_NATIVE_PREFILL_CONTEXT
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -248,9 +250,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Every layer over the step's tokens, K/V written through the pages; hidden [T, H]."""
-        if inputs.native_decode:
+        if inputs.native:
             assert self.decoder_stack is not None
-            return self.model.forward_decode_natively(
+            return self.model.forward_natively(
                 inputs.input_ids, inputs.positions, self.decoder_stack, inputs.meta
             )
         attention = PagedLayerAttention(
@@ -264,9 +266,11 @@ class ModelRunner:
         return hidden
 
 
-# The most sequences a decode step runs through the native stack. It beat the op-by-op path
-# at every batch size tried (1 to 64, docs/perf.md): the cap only bounds its work area.
-MAX_NATIVE_DECODE_ROWS = 256
+# The most rows a step runs through the native stack (a prefill chunk's tokens count each):
+# it beat the op-by-op path at every size tried (docs/perf.md); the cap bounds its work area.
+MAX_NATIVE_ROWS = 1024
+# The longest context of a step with prefill chunks the stack takes (decode steps: any).
+MAX_NATIVE_PREFILL_CONTEXT = 1024
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

@@ -315,11 +315,16 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     }
     /* each row's context slots from its block table, once a step, read by every layer */
     int64_t *lens = slots + m * max_context;
+    int64_t total_context = 0;
     for (int64_t r = 0; r < m; r++) {
         lens[r] = seq_lens[r];
+        total_context += seq_lens[r];
         for (int64_t c = 0; c < seq_lens[r]; c++)
             slots[r * max_context + c] = (int64_t)block_tables[r * table_width + c / bs] * bs + c % bs;
     }
+    /* the row where the attention's split gives each thread half the context to read */
+    int64_t balanced_split = 1, seen = lens[0];
+    while (balanced_split < m - 1 && 2 * seen < total_context) seen += lens[balanced_split++];
     float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
     float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
     float *scores = proj + m * h;            /* [2, hq, max_context]: one per thread */
@@ -353,12 +358,13 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
             merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
                          halves + 3 * hq, hq, d);
         } else {
-            /* each thread its own rows, and its own scores */
+            /* each thread its own rows (as much context to read on both sides: a prefill
+               chunk's later rows read more), and its own scores */
             work_part part = {.kind = PART_ATTENTION_ROWS, .kernels = kernels, .begin = 0,
                               .end = m, .attention = rows};
             if (split && m > 1) {
                 work_part theirs = part;
-                theirs.begin = part.end = (m + 1) / 2;
+                theirs.begin = part.end = balanced_split;
                 theirs.attention.scores = scores + hq * max_context;
                 run_split(&theirs, &part);
             } else {
