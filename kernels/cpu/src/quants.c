@@ -252,13 +252,16 @@ static inline q32 unpack_q6_k(const uint8_t *b, int s, float d[2], float *m) {
    time against them: TILE_J x TILE_R accumulators in registers, each weight vector loaded
    once per TILE_R rows and each input vector once per TILE_J weight rows. */
 #if defined(PC_ISA_AVX512)
-#define TILE_J 4 /* 24 of the 32 zmm registers accumulate */
-#define TILE_R 6
+#define TILE_J 6 /* 24 of the 32 zmm registers accumulate (6 x 4 ran ahead of 4 x 6, 3 x 8) */
+#define TILE_R 4
 #elif defined(PC_ISA_NEON)
 #define TILE_J 4 /* 16 of the 32 q registers */
 #define TILE_R 4
+#elif defined(PC_ISA_AVX2)
+#define TILE_J 3 /* 12 of the 16 ymm registers: 3 x 4 ran 1.3x 2 x 4's and 2 x 6's */
+#define TILE_R 4
 #else
-#define TILE_J 2 /* 8 of AVX2's 16 ymm registers (generic: 16 of SSE2's xmm) */
+#define TILE_J 2 /* 8 vf, in 16 of SSE2's xmm registers */
 #define TILE_R 4
 #endif
 
