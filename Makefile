@@ -25,6 +25,7 @@ generate: setup
 lint: setup
 	$(PY) -m ruff check protocol service kernels clients tests benchmarks loadtest deploy
 	$(PY) -m ruff format --check protocol service kernels clients tests benchmarks loadtest deploy
+	.venv/bin/clang-format --dry-run --Werror kernels/cpu/src/*.c kernels/cpu/src/*.h
 
 typecheck: setup
 	$(PY) -m mypy

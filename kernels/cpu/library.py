@@ -27,7 +27,7 @@ F32 = ctypes.c_float
 
 # Every version's entry points (pc_<name>_<isa>), as kernels/cpu/src declares them.
 PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
-    "gemv": (None, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
+    "gemv": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
     "dequant": (I64, (I64, P, I64, I64, I64, I64, P, I64, I64)),
     "dequant_rows": (I64, (I64, P, I64, I64, P, I64, P)),
     "attend": (I64, (P, I64, I64, I64)),
@@ -37,7 +37,7 @@ PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
 }
 ONCE_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "pc_cpu_runs": (I64, (ctypes.c_char_p,)),
-    "pc_gemv_threads": (None, (P, P, P, I64, P, I64)),
+    "pc_gemv_threads": (I64, (P, P, P, I64, P, I64)),
     "pc_decode_layers": (I64, (P, P, P, P, I64, P, P, P, P, I64, P, I64, P)),
 }
 

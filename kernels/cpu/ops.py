@@ -101,10 +101,11 @@ def gemv(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
     the input with the weight row as gguf dequantizes it."""
     x = _input(x, weight.k)
     y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
-    kernels.fn("gemv")(
+    status = kernels.fn("gemv")(
         int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
         x.shape[0], weight.k, y.data_ptr(), weight.n, 0, weight.n,
     )  # fmt: skip
+    _raise_for(status, "gemv")
     return y
 
 
@@ -114,10 +115,11 @@ def gemv_threads(kernels: KernelSet, parts: Sequence[Blocks], x: Tensor, threads
     weights = projection(parts)
     x = _input(x, weights.k)
     y = torch.empty(x.shape[0], weights.n, dtype=torch.float32)
-    kernels.lib.pc_gemv_threads(
+    status = kernels.lib.pc_gemv_threads(
         ctypes.byref(kernels.table), ctypes.byref(weights), x.data_ptr(), x.shape[0],
         y.data_ptr(), threads,
     )  # fmt: skip
+    _raise_for(status, "gemv")
     return y
 
 

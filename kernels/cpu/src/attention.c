@@ -11,17 +11,20 @@
 /* VF_W elements of a cache of `type` from element `at`, as fp32 */
 static inline __attribute__((always_inline)) vf load_kv(const void *cache, int64_t at,
                                                         const int64_t type) {
-    if (type == PC_F16) return vf_load_f16((const uint16_t *)cache + at);
-    if (type == PC_BF16) return vf_load_bf16((const uint16_t *)cache + at);
+    if (type == PC_F16)
+        return vf_load_f16((const uint16_t *)cache + at);
+    if (type == PC_BF16)
+        return vf_load_bf16((const uint16_t *)cache + at);
     return vf_load((const float *)cache + at);
 }
 
 /* One row's attention over `len` context slots `ctx`: out [hq, d] from q [hq, d]. Where
    peaks is set, each head's largest score and softmax sum go there (a part of the context,
    merged with the other part's by pc_merge). */
-static inline __attribute__((always_inline)) void attend_one(
-    const pc_attention *a, const float *q, const int64_t *ctx, int64_t len, float *out,
-    float *peaks, float *totals, const int64_t type) {
+static inline __attribute__((always_inline)) void attend_one(const pc_attention *a, const float *q,
+                                                             const int64_t *ctx, int64_t len,
+                                                             float *out, float *peaks,
+                                                             float *totals, const int64_t type) {
     const int64_t hq = a->hq, hkv = a->hkv, d = a->d, group = hq / hkv;
     float *scores = a->scores; /* [hq, len] */
     for (int64_t c = 0; c < len; c++) {
@@ -37,21 +40,26 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t h = 0; h < hq; h++) {
         float *s = scores + h * len;
         float peak = s[0], total = 0.0f;
-        for (int64_t c = 1; c < len; c++) peak = s[c] > peak ? s[c] : peak;
-        for (int64_t c = 0; c < len; c++) s[c] = exp_nonpositive(s[c] - peak);
-        for (int64_t c = 0; c < len; c++) total += s[c];
-        if (peaks) peaks[h] = peak, totals[h] = total;
+        for (int64_t c = 1; c < len; c++)
+            peak = s[c] > peak ? s[c] : peak;
+        for (int64_t c = 0; c < len; c++)
+            s[c] = exp_nonpositive(s[c] - peak);
+        for (int64_t c = 0; c < len; c++)
+            total += s[c];
+        if (peaks)
+            peaks[h] = peak, totals[h] = total;
         const float inv = 1.0f / total;
-        for (int64_t c = 0; c < len; c++) s[c] *= inv;
+        for (int64_t c = 0; c < len; c++)
+            s[c] *= inv;
     }
     for (int64_t h = 0; h < hq; h++) {
         const float *p = scores + h * len;
         const int64_t head = h / group * d;
         for (int64_t i0 = 0; i0 < d; i0 += V_VECTORS * VF_W) {
-            const int64_t vectors =
-                d - i0 < V_VECTORS * VF_W ? (d - i0) / VF_W : V_VECTORS;
+            const int64_t vectors = d - i0 < V_VECTORS * VF_W ? (d - i0) / VF_W : V_VECTORS;
             vf acc[V_VECTORS];
-            for (int v = 0; v < V_VECTORS; v++) acc[v] = vf_zero();
+            for (int v = 0; v < V_VECTORS; v++)
+                acc[v] = vf_zero();
             for (int64_t c = 0; c < len; c++) {
                 const vf weight = vf_set1(p[c]);
                 const int64_t v_at = ctx[c] * hkv * d + head + i0;
@@ -60,14 +68,14 @@ static inline __attribute__((always_inline)) void attend_one(
                         acc[v] = vf_fma(weight, load_kv(a->v_cache, v_at + v * VF_W, type), acc[v]);
             }
             for (int v = 0; v < V_VECTORS; v++)
-                if (v < vectors) vf_store(out + h * d + i0 + v * VF_W, acc[v]);
+                if (v < vectors)
+                    vf_store(out + h * d + i0 + v * VF_W, acc[v]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void attend_typed(const pc_attention *a,
-                                                               int64_t begin, int64_t end,
-                                                               int64_t context_range,
+static inline __attribute__((always_inline)) void attend_typed(const pc_attention *a, int64_t begin,
+                                                               int64_t end, int64_t context_range,
                                                                const int64_t type) {
     if (context_range) {
         attend_one(a, a->q, a->slots + begin, end - begin, a->out, a->peaks, a->totals, type);
@@ -82,7 +90,8 @@ static inline __attribute__((always_inline)) void attend_typed(const pc_attentio
    [begin, end), with its heads' peaks and totals recorded. Returns PC_BAD_SHAPE for a head
    size the vectors do not divide or a cache type not served. */
 int64_t PC_FN(attend)(const pc_attention *a, int64_t begin, int64_t end, int64_t context_range) {
-    if (a->d % 16 || a->d > PC_MAX_HEAD_DIM || a->hkv < 1 || a->hq % a->hkv) return PC_BAD_SHAPE;
+    if (a->d % 16 || a->d > PC_MAX_HEAD_DIM || a->hkv < 1 || a->hq % a->hkv)
+        return PC_BAD_SHAPE;
     switch (a->cache_type) {
     case PC_F32: attend_typed(a, begin, end, context_range, PC_F32); return PC_OK;
     case PC_F16: attend_typed(a, begin, end, context_range, PC_F16); return PC_OK;

@@ -18,11 +18,14 @@
 /* 1 where the version named `isa` runs on this CPU, 0 where not or where the name is not a
    version of this architecture. */
 int64_t pc_cpu_runs(const char *isa) {
-    if (strcmp(isa, "generic") == 0) return 1;
+    if (strcmp(isa, "generic") == 0)
+        return 1;
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (strcmp(isa, "avx2") == 0) return __builtin_cpu_supports("x86-64-v3") > 0;
-    if (strcmp(isa, "avx512") == 0) return __builtin_cpu_supports("x86-64-v4") > 0;
+    if (strcmp(isa, "avx2") == 0)
+        return __builtin_cpu_supports("x86-64-v3") > 0;
+    if (strcmp(isa, "avx512") == 0)
+        return __builtin_cpu_supports("x86-64-v4") > 0;
     if (strcmp(isa, "vnni") == 0)
         return __builtin_cpu_supports("x86-64-v4") > 0 && __builtin_cpu_supports("avx512vnni") > 0;
 #elif defined(__aarch64__)

@@ -19,12 +19,12 @@
 #include "pagechat_cpu.h"
 
 int64_t pc_cpu_runs(const char *isa);
-void pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                     int64_t m, float *y, int64_t threads);
+int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                        int64_t m, float *y, int64_t threads);
 
 #define DECLARE(isa)                                                                               \
-    void pc_gemv_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,        \
-                       float *, int64_t, int64_t, int64_t);                                        \
+    int64_t pc_gemv_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,      \
+                          float *, int64_t, int64_t, int64_t);                                     \
     int64_t pc_dequant_##isa(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *, \
                              int64_t, int64_t);                                                    \
     int64_t pc_attend_##isa(const pc_attention *, int64_t, int64_t, int64_t);                      \
@@ -42,7 +42,7 @@ typedef struct {
 
 #define VERSION(isa)                                                                               \
     {#isa,                                                                                         \
-     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa}, \
+     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa},  \
      pc_dequant_##isa}
 
 #if defined(__aarch64__)
@@ -54,8 +54,7 @@ DECLARE(generic)
 DECLARE(avx2)
 DECLARE(avx512)
 DECLARE(vnni)
-static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512),
-                                   VERSION(vnni)};
+static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512), VERSION(vnni)};
 #endif
 #define VERSIONS ((int)(sizeof versions / sizeof versions[0]))
 
@@ -66,12 +65,14 @@ static int num_owned;
 
 static void *take(size_t size) {
     void *p = malloc(size ? size : 1);
-    if (p == NULL || num_owned == 32) exit(2);
+    if (p == NULL || num_owned == 32)
+        exit(2);
     return owned[num_owned++] = p;
 }
 
 static int finish(int status) {
-    while (num_owned) free(owned[--num_owned]);
+    while (num_owned)
+        free(owned[--num_owned]);
     return status;
 }
 
@@ -85,9 +86,11 @@ static void *load(const char *path, size_t *size) {
     const long length = ftell(f);
     fseek(f, 0, SEEK_SET);
     void *data = take((size_t)length + 1);
-    if (fread(data, 1, (size_t)length, f) != (size_t)length) exit(2);
+    if (fread(data, 1, (size_t)length, f) != (size_t)length)
+        exit(2);
     fclose(f);
-    if (size) *size = (size_t)length;
+    if (size)
+        *size = (size_t)length;
     return data;
 }
 
@@ -100,21 +103,29 @@ static void save(const char *path, const void *data, size_t size) {
     fclose(f);
 }
 
-static int64_t num(const char *s) { return strtoll(s, NULL, 10); }
+static int64_t num(const char *s) {
+    return strtoll(s, NULL, 10);
+}
 
-static size_t element_size(int64_t type) { return type == PC_F32 ? 4 : 2; }
+static size_t element_size(int64_t type) {
+    return type == PC_F32 ? 4 : 2;
+}
 
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "runs") == 0) {
         for (int i = 0; i < VERSIONS; i++)
-            if (pc_cpu_runs(versions[i].name)) printf("%s\n", versions[i].name);
+            if (pc_cpu_runs(versions[i].name))
+                printf("%s\n", versions[i].name);
         return finish(0);
     }
-    if (argc < 3) return 2;
+    if (argc < 3)
+        return 2;
     const version *v = NULL;
     for (int i = 0; i < VERSIONS; i++)
-        if (strcmp(argv[1], versions[i].name) == 0) v = &versions[i];
-    if (v == NULL) return 2;
+        if (strcmp(argv[1], versions[i].name) == 0)
+            v = &versions[i];
+    if (v == NULL)
+        return 2;
     const char *op = argv[2];
     char **a = argv + 3;
     const int n = argc - 3;
@@ -124,9 +135,10 @@ int main(int argc, char **argv) {
         const uint8_t *w = load(a[5], NULL);
         const float *x = load(a[6], NULL);
         float *y = take(sizeof(float) * (size_t)(m * rows));
-        const pc_projection p = {.part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows,
-                                 .k = k};
-        pc_gemv_threads(&v->kernels, &p, x, m, y, num(a[4]));
+        const pc_projection p = {
+            .part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows, .k = k};
+        if (pc_gemv_threads(&v->kernels, &p, x, m, y, num(a[4])))
+            return finish(1);
         save(a[7], y, sizeof(float) * (size_t)(m * rows));
         return finish(0);
     }
@@ -135,7 +147,8 @@ int main(int argc, char **argv) {
         const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
         float *out = take(sizeof(float) * (size_t)(rows * k));
         const uint8_t *w = load(a[3], NULL);
-        if (v->dequant(type, w, row_bytes, k, 0, rows, out, k, PC_F32)) return finish(1);
+        if (v->dequant(type, w, row_bytes, k, 0, rows, out, k, PC_F32))
+            return finish(1);
         save(a[4], out, sizeof(float) * (size_t)(rows * k));
         return finish(0);
     }
@@ -143,13 +156,22 @@ int main(int argc, char **argv) {
         const int64_t b = num(a[1]), hq = num(a[2]), d = num(a[4]), context = num(a[5]);
         float *out = take(sizeof(float) * (size_t)(b * hq * d));
         float *scores = take(sizeof(float) * (size_t)(hq * context));
-        const pc_attention att = {.q = load(a[7], NULL), .q_stride = hq * d,
-                                  .k_cache = load(a[8], NULL), .v_cache = load(a[9], NULL),
-                                  .cache_type = num(a[0]), .slots = load(a[10], NULL),
-                                  .slot_stride = context, .seq_lens = load(a[11], NULL),
-                                  .out = out, .scores = scores, .hq = hq, .hkv = num(a[3]),
-                                  .d = d, .scale = strtof(a[6], NULL)};
-        if (v->kernels.attend(&att, 0, b, 0)) return finish(1);
+        const pc_attention att = {.q = load(a[7], NULL),
+                                  .q_stride = hq * d,
+                                  .k_cache = load(a[8], NULL),
+                                  .v_cache = load(a[9], NULL),
+                                  .cache_type = num(a[0]),
+                                  .slots = load(a[10], NULL),
+                                  .slot_stride = context,
+                                  .seq_lens = load(a[11], NULL),
+                                  .out = out,
+                                  .scores = scores,
+                                  .hq = hq,
+                                  .hkv = num(a[3]),
+                                  .d = d,
+                                  .scale = strtof(a[6], NULL)};
+        if (v->kernels.attend(&att, 0, b, 0))
+            return finish(1);
         save(a[12], out, sizeof(float) * (size_t)(b * hq * d));
         return finish(0);
     }

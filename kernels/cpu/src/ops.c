@@ -4,7 +4,6 @@
 #include "pagechat_cpu.h"
 #include "simd.h"
 
-
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w for rows r of d floats, in fp32. */
 void PC_FN(rms_norm)(const float *x, const float *w, float *out, int64_t rows, int64_t d,
                      float eps) {
@@ -18,9 +17,11 @@ void PC_FN(rms_norm)(const float *x, const float *w, float *out, int64_t rows, i
             acc = vf_fma(v, v, acc);
         }
         float squares = vf_sum(acc);
-        for (; i < d; i++) squares += row[i] * row[i];
+        for (; i < d; i++)
+            squares += row[i] * row[i];
         const float inv = 1.0f / sqrtf(squares / (float)d + eps);
-        for (int64_t j = 0; j < d; j++) dst[j] = row[j] * inv * w[j];
+        for (int64_t j = 0; j < d; j++)
+            dst[j] = row[j] * inv * w[j];
     }
 }
 
@@ -33,10 +34,13 @@ static inline void store_row(void *cache, int64_t at, const float *src, int64_t 
     uint16_t *dst = (uint16_t *)cache + at;
     int64_t i = 0;
     if (type == PC_F16) {
-        for (; i + VF_W <= d; i += VF_W) vf_store_f16(dst + i, vf_load(src + i));
-        for (; i < d; i++) dst[i] = f32_to_fp16_c(src[i]);
+        for (; i + VF_W <= d; i += VF_W)
+            vf_store_f16(dst + i, vf_load(src + i));
+        for (; i < d; i++)
+            dst[i] = f32_to_fp16_c(src[i]);
     } else {
-        for (; i < d; i++) dst[i] = f32_to_bf16(src[i]);
+        for (; i < d; i++)
+            dst[i] = f32_to_bf16(src[i]);
     }
 }
 
@@ -54,8 +58,10 @@ void PC_FN(rope_write)(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq, in
         const float *c = cos + r * d, *s = sin + r * d;
         for (int64_t head = 0; head < hq + hkv; head++) {
             float *x = row + head * d;
-            for (int64_t i = 0; i < half; i++) rotated[i] = x[i] * c[i] + x[i + half] * s[i];
-            for (int64_t i = half; i < d; i++) rotated[i] = x[i] * c[i] + x[i - half] * s[i];
+            for (int64_t i = 0; i < half; i++)
+                rotated[i] = x[i] * c[i] + x[i + half] * s[i];
+            for (int64_t i = half; i < d; i++)
+                rotated[i] = x[i] * c[i] + x[i - half] * s[i];
             memcpy(x, rotated, sizeof(float) * (size_t)d);
         }
         const int64_t at = slots[r] * hkv * d;
@@ -73,13 +79,13 @@ static inline float silu(float g) {
 
 /* out[e] = SiLU(gate) * up for elements e in [begin, end) of [m, inter], from gate_up
    [m, 2 inter] (each row [gate; up]). */
-void PC_FN(silu_mul)(const float *gate_up, float *out, int64_t inter, int64_t begin,
-                     int64_t end) {
+void PC_FN(silu_mul)(const float *gate_up, float *out, int64_t inter, int64_t begin, int64_t end) {
     for (int64_t r = begin / inter; r * inter < end; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *dst = out + r * inter;
         const int64_t first = begin > r * inter ? begin - r * inter : 0;
         const int64_t last = end < (r + 1) * inter ? end - r * inter : inter;
-        for (int64_t i = first; i < last; i++) dst[i] = silu(gate[i]) * up[i];
+        for (int64_t i = first; i < last; i++)
+            dst[i] = silu(gate[i]) * up[i];
     }
 }

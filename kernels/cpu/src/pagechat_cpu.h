@@ -42,7 +42,7 @@ enum {
 /* One layer's attention over the paged cache, for a range of a step's rows (or of one row's
    context positions: `pc_attend`'s `context_range`). */
 typedef struct {
-    const float *q;  /* row r's query heads at q + r * q_stride: [hq, d] */
+    const float *q; /* row r's query heads at q + r * q_stride: [hq, d] */
     int64_t q_stride;
     const void *k_cache, *v_cache; /* [slots, hkv, d] of cache_type */
     int64_t cache_type;
@@ -58,15 +58,15 @@ typedef struct {
 } pc_attention;
 
 /* The kernels a decode step runs, one version each (dispatch.py fills it). */
-typedef void (*pc_gemv_fn)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
-                           int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
-                           int64_t n_end);
+typedef int64_t (*pc_gemv_fn)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
+                              int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                              int64_t n_end);
 typedef int64_t (*pc_attend_fn)(const pc_attention *a, int64_t begin, int64_t end,
                                 int64_t context_range);
-typedef void (*pc_rms_norm_fn)(const float *x, const float *w, float *out, int64_t rows,
-                               int64_t d, float eps);
-typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq,
-                                 int64_t hkv, int64_t d, const float *cos, const float *sin,
+typedef void (*pc_rms_norm_fn)(const float *x, const float *w, float *out, int64_t rows, int64_t d,
+                               float eps);
+typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq, int64_t hkv,
+                                 int64_t d, const float *cos, const float *sin,
                                  const int64_t *slots, void *k_cache, void *v_cache,
                                  int64_t cache_type);
 typedef void (*pc_silu_mul_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
@@ -113,35 +113,24 @@ static inline int64_t pc_block_elements(int64_t type) {
     case PC_Q4_0:
     case PC_Q4_1:
     case PC_Q5_0:
-    case PC_Q8_0:
-        return 32;
+    case PC_Q8_0: return 32;
     case PC_Q4_K:
     case PC_Q5_K:
-    case PC_Q6_K:
-        return 256;
-    default:
-        return 0;
+    case PC_Q6_K: return 256;
+    default: return 0;
     }
 }
 
 static inline int64_t pc_block_bytes(int64_t type) {
     switch (type) {
-    case PC_Q4_0:
-        return 18;
-    case PC_Q4_1:
-        return 20;
-    case PC_Q5_0:
-        return 22;
-    case PC_Q8_0:
-        return 34;
-    case PC_Q4_K:
-        return 144;
-    case PC_Q5_K:
-        return 176;
-    case PC_Q6_K:
-        return 210;
-    default:
-        return 0;
+    case PC_Q4_0: return 18;
+    case PC_Q4_1: return 20;
+    case PC_Q5_0: return 22;
+    case PC_Q8_0: return 34;
+    case PC_Q4_K: return 144;
+    case PC_Q5_K: return 176;
+    case PC_Q6_K: return 210;
+    default: return 0;
     }
 }
 

@@ -63,8 +63,10 @@ static inline uint16_t f32_to_fp16_c(float f) {
     const uint32_t x = bits_from_f32(f);
     const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
     const uint32_t abs = x & 0x7FFFFFFFu;
-    if (abs > 0x7F800000u) return sign | 0x7E00u; /* NaN */
-    if (abs >= 0x477FF000u) return sign | 0x7C00u; /* rounds to 65520 or more: infinity */
+    if (abs > 0x7F800000u)
+        return sign | 0x7E00u; /* NaN */
+    if (abs >= 0x477FF000u)
+        return sign | 0x7C00u; /* rounds to 65520 or more: infinity */
     if (abs < 0x38800000u) {
         /* below fp16's smallest normal (2^-14): a multiple of 2^-24, rounded by adding and
            taking away 2^23 (the product is exact) */
@@ -72,16 +74,19 @@ static inline uint16_t f32_to_fp16_c(float f) {
         return sign | (uint16_t)((units + 0x1p23f) - 0x1p23f);
     }
     uint32_t r = abs - (112u << 23); /* exponent rebiased from 127 to 15 */
-    r += 0xFFFu + ((r >> 13) & 1u);   /* round the 13 dropped bits to nearest even */
+    r += 0xFFFu + ((r >> 13) & 1u);  /* round the 13 dropped bits to nearest even */
     return sign | (uint16_t)(r >> 13);
 }
 
-static inline float bf16_to_f32(uint16_t b) { return f32_from_bits((uint32_t)b << 16); }
+static inline float bf16_to_f32(uint16_t b) {
+    return f32_from_bits((uint32_t)b << 16);
+}
 
 /* fp32 -> bf16, rounded to nearest even as torch rounds (NaN stays NaN). */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u = bits_from_f32(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
@@ -120,14 +125,30 @@ static inline float fp16_scale(const uint8_t *p) {
 #if defined(PC_ISA_AVX512)
 #define VF_W 16
 typedef __m512 vf;
-static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
-static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
-static inline vf vf_set1(float s) { return _mm512_set1_ps(s); }
-static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline float vf_sum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vf_zero(void) {
+    return _mm512_setzero_ps();
+}
+static inline vf vf_load(const float *p) {
+    return _mm512_loadu_ps(p);
+}
+static inline void vf_store(float *p, vf v) {
+    _mm512_storeu_ps(p, v);
+}
+static inline vf vf_set1(float s) {
+    return _mm512_set1_ps(s);
+}
+static inline vf vf_fma(vf a, vf b, vf c) {
+    return _mm512_fmadd_ps(a, b, c);
+}
+static inline vf vf_add(vf a, vf b) {
+    return _mm512_add_ps(a, b);
+}
+static inline vf vf_mul(vf a, vf b) {
+    return _mm512_mul_ps(a, b);
+}
+static inline float vf_sum(vf v) {
+    return _mm512_reduce_add_ps(v);
+}
 static inline vf vf_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -142,13 +163,27 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 #elif defined(PC_ISA_AVX2)
 #define VF_W 8
 typedef __m256 vf;
-static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
-static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
-static inline vf vf_set1(float s) { return _mm256_set1_ps(s); }
-static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_zero(void) {
+    return _mm256_setzero_ps();
+}
+static inline vf vf_load(const float *p) {
+    return _mm256_loadu_ps(p);
+}
+static inline void vf_store(float *p, vf v) {
+    _mm256_storeu_ps(p, v);
+}
+static inline vf vf_set1(float s) {
+    return _mm256_set1_ps(s);
+}
+static inline vf vf_fma(vf a, vf b, vf c) {
+    return _mm256_fmadd_ps(a, b, c);
+}
+static inline vf vf_add(vf a, vf b) {
+    return _mm256_add_ps(a, b);
+}
+static inline vf vf_mul(vf a, vf b) {
+    return _mm256_mul_ps(a, b);
+}
 static inline float vf_sum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -169,14 +204,30 @@ static inline vf vf_load_bf16(const uint16_t *p) {
 #elif defined(PC_ISA_NEON)
 #define VF_W 4
 typedef float32x4_t vf;
-static inline vf vf_zero(void) { return vdupq_n_f32(0.0f); }
-static inline vf vf_load(const float *p) { return vld1q_f32(p); }
-static inline void vf_store(float *p, vf v) { vst1q_f32(p, v); }
-static inline vf vf_set1(float s) { return vdupq_n_f32(s); }
-static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
-static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
-static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
-static inline float vf_sum(vf v) { return vaddvq_f32(v); }
+static inline vf vf_zero(void) {
+    return vdupq_n_f32(0.0f);
+}
+static inline vf vf_load(const float *p) {
+    return vld1q_f32(p);
+}
+static inline void vf_store(float *p, vf v) {
+    vst1q_f32(p, v);
+}
+static inline vf vf_set1(float s) {
+    return vdupq_n_f32(s);
+}
+static inline vf vf_fma(vf a, vf b, vf c) {
+    return vfmaq_f32(c, a, b);
+}
+static inline vf vf_add(vf a, vf b) {
+    return vaddq_f32(a, b);
+}
+static inline vf vf_mul(vf a, vf b) {
+    return vmulq_f32(a, b);
+}
+static inline float vf_sum(vf v) {
+    return vaddvq_f32(v);
+}
 static inline vf vf_load_f16(const uint16_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
@@ -194,53 +245,64 @@ typedef struct {
 } vf;
 static inline vf vf_zero(void) {
     vf r;
-    for (int i = 0; i < 8; i++) r.v[i] = 0.0f;
+    for (int i = 0; i < 8; i++)
+        r.v[i] = 0.0f;
     return r;
 }
 static inline vf vf_load(const float *p) {
     vf r;
-    for (int i = 0; i < 8; i++) r.v[i] = p[i];
+    for (int i = 0; i < 8; i++)
+        r.v[i] = p[i];
     return r;
 }
 static inline void vf_store(float *p, vf v) {
-    for (int i = 0; i < 8; i++) p[i] = v.v[i];
+    for (int i = 0; i < 8; i++)
+        p[i] = v.v[i];
 }
 static inline vf vf_set1(float s) {
     vf r;
-    for (int i = 0; i < 8; i++) r.v[i] = s;
+    for (int i = 0; i < 8; i++)
+        r.v[i] = s;
     return r;
 }
 /* a * b + c: fused where the compiler may fuse (arm64), a multiply and an add on a
    baseline x86-64 (fmaf there would be a library call per element) */
 static inline vf vf_fma(vf a, vf b, vf c) {
-    for (int i = 0; i < 8; i++) c.v[i] = c.v[i] + a.v[i] * b.v[i];
+    for (int i = 0; i < 8; i++)
+        c.v[i] = c.v[i] + a.v[i] * b.v[i];
     return c;
 }
 static inline vf vf_add(vf a, vf b) {
-    for (int i = 0; i < 8; i++) a.v[i] += b.v[i];
+    for (int i = 0; i < 8; i++)
+        a.v[i] += b.v[i];
     return a;
 }
 static inline vf vf_mul(vf a, vf b) {
-    for (int i = 0; i < 8; i++) a.v[i] *= b.v[i];
+    for (int i = 0; i < 8; i++)
+        a.v[i] *= b.v[i];
     return a;
 }
 static inline float vf_sum(vf v) {
     /* pairwise, as the vector versions reduce */
     for (int width = 4; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) v.v[i] += v.v[i + width];
+        for (int i = 0; i < width; i++)
+            v.v[i] += v.v[i + width];
     return v.v[0];
 }
 static inline vf vf_load_f16(const uint16_t *p) {
     vf r;
-    for (int i = 0; i < 8; i++) r.v[i] = fp16_to_f32_c(p[i]);
+    for (int i = 0; i < 8; i++)
+        r.v[i] = fp16_to_f32_c(p[i]);
     return r;
 }
 static inline void vf_store_f16(uint16_t *p, vf v) {
-    for (int i = 0; i < 8; i++) p[i] = f32_to_fp16_c(v.v[i]);
+    for (int i = 0; i < 8; i++)
+        p[i] = f32_to_fp16_c(v.v[i]);
 }
 static inline vf vf_load_bf16(const uint16_t *p) {
     vf r;
-    for (int i = 0; i < 8; i++) r.v[i] = bf16_to_f32(p[i]);
+    for (int i = 0; i < 8; i++)
+        r.v[i] = bf16_to_f32(p[i]);
     return r;
 }
 #endif
@@ -280,7 +342,8 @@ typedef struct {
 } q32;
 static inline void q32_to_vf(q32 q, vf out[Q32_VECTORS]) {
     for (int j = 0; j < Q32_VECTORS; j++)
-        for (int i = 0; i < VF_W; i++) out[j].v[i] = (float)q.v[j * VF_W + i];
+        for (int i = 0; i < VF_W; i++)
+            out[j].v[i] = (float)q.v[j * VF_W + i];
 }
 #endif
 

@@ -41,6 +41,7 @@ typedef struct {
     part_kind kind;
     const pc_kernels *kernels;
     int64_t begin, end;
+    int64_t status;              /* PC_OK, or what went wrong while it ran */
     const pc_projection *weight; /* PART_GEMV: y [m, n] = x [m, k] w^T */
     const float *x;
     int64_t m;
@@ -50,32 +51,32 @@ typedef struct {
 } work_part;
 
 /* Rows [begin, end) of a projection: each part's share of them, at its place in y. */
-static void project_rows(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                         int64_t m, float *y, int64_t begin, int64_t end) {
-    int64_t offset = 0;
-    for (int64_t i = 0; i < w->parts; i++) {
+static int64_t project_rows(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                            int64_t m, float *y, int64_t begin, int64_t end) {
+    int64_t offset = 0, status = PC_OK;
+    for (int64_t i = 0; i < w->parts && status == PC_OK; i++) {
         const pc_weight *p = &w->part[i];
         const int64_t first = begin > offset ? begin : offset;
         const int64_t last = end < offset + p->n ? end : offset + p->n;
         if (first < last)
-            kernels->gemv(p->type, p->data, p->row_bytes, x, m, p->k, y + offset, w->n,
-                          first - offset, last - offset);
+            status = kernels->gemv(p->type, p->data, p->row_bytes, x, m, p->k, y + offset, w->n,
+                                   first - offset, last - offset);
         offset += p->n;
     }
+    return status;
 }
 
-static void run_part(const work_part *p) {
+static void run_part(work_part *p) {
     switch (p->kind) {
     case PART_GEMV:
-        project_rows(p->kernels, p->weight, p->x, p->m, p->y, p->begin, p->end);
+        p->status = project_rows(p->kernels, p->weight, p->x, p->m, p->y, p->begin, p->end);
         break;
     case PART_ATTENTION_ROWS:
     case PART_ATTENTION_CONTEXT:
-        p->kernels->attend(&p->attention, p->begin, p->end, p->kind == PART_ATTENTION_CONTEXT);
+        p->status =
+            p->kernels->attend(&p->attention, p->begin, p->end, p->kind == PART_ATTENTION_CONTEXT);
         break;
-    case PART_SILU_MUL:
-        p->kernels->silu_mul(p->x, p->y, p->inter, p->begin, p->end);
-        break;
+    case PART_SILU_MUL: p->kernels->silu_mul(p->x, p->y, p->inter, p->begin, p->end); break;
     }
 }
 
@@ -146,13 +147,16 @@ static void helper_after_fork(void) {
 
 static pthread_once_t helper_fork_hook = PTHREAD_ONCE_INIT;
 
-static void helper_register_fork_hook(void) { pthread_atfork(NULL, NULL, helper_after_fork); }
+static void helper_register_fork_hook(void) {
+    pthread_atfork(NULL, NULL, helper_after_fork);
+}
 
 /* Takes the helper for one call: 1 if it is ours (started and spinning), 0 where it could
    not start or another call holds it (then the call runs on one thread). */
 static int helper_take(void) {
     pthread_once(&helper_fork_hook, helper_register_fork_hook);
-    if (pthread_mutex_trylock(&helper.owner)) return 0;
+    if (pthread_mutex_trylock(&helper.owner))
+        return 0;
     pthread_mutex_lock(&helper.lock);
     if (!helper.started) {
         pthread_t thread;
@@ -167,7 +171,8 @@ static int helper_take(void) {
         pthread_cond_signal(&helper.wake);
     }
     pthread_mutex_unlock(&helper.lock);
-    if (!ours) pthread_mutex_unlock(&helper.owner);
+    if (!ours)
+        pthread_mutex_unlock(&helper.owner);
     return ours;
 }
 
@@ -178,26 +183,28 @@ static void helper_release(void) {
     pthread_mutex_unlock(&helper.owner);
 }
 
-/* Runs `theirs` on the helper and `mine` on the calling thread, and waits for both. */
-static void run_split(const work_part *theirs, const work_part *mine) {
+/* Runs `theirs` on the helper and `mine` on the calling thread, waits for both, and
+   returns the first status that is not PC_OK (or PC_OK). */
+static int64_t run_split(const work_part *theirs, work_part *mine) {
     helper.part = *theirs;
     const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
     run_part(mine);
     unsigned spins = 0;
     while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket)
         spin_turn(&spins);
+    return mine->status != PC_OK ? mine->status : helper.part.status;
 }
 
-/* `part` whole, or split at `middle` with the helper taking [middle, end). */
-static void run_shared(const work_part *part, int split, int64_t middle) {
-    if (!split || middle <= part->begin || middle >= part->end) {
-        run_part(part);
-        return;
-    }
+/* `part` whole, or split at `middle` with the helper taking [middle, end); its status. */
+static int64_t run_shared(const work_part *part, int split, int64_t middle) {
     work_part theirs = *part, mine = *part;
+    if (!split || middle <= part->begin || middle >= part->end) {
+        run_part(&mine);
+        return mine.status;
+    }
     theirs.begin = middle;
     mine.end = middle;
-    run_split(&theirs, &mine);
+    return run_split(&theirs, &mine);
 }
 
 /* out = the softmax over both context ranges: each range's output is normalized by its own
@@ -212,7 +219,8 @@ static void merge_ranges(float *out, const float *other, const float *peaks, con
         const float inv = 1.0f / (w1 + w2);
         float *o = out + h * head_dim;
         const float *p = other + h * head_dim;
-        for (int64_t i = 0; i < head_dim; i++) o[i] = (w1 * o[i] + w2 * p[i]) * inv;
+        for (int64_t i = 0; i < head_dim; i++)
+            o[i] = (w1 * o[i] + w2 * p[i]) * inv;
     }
 }
 
@@ -220,17 +228,26 @@ static void merge_ranges(float *out, const float *other, const float *peaks, con
 
 /* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split with the helper
    thread where `threads` is 2 and the helper is free (the LM head of a step). */
-void pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                     int64_t m, float *y, int64_t threads) {
-    const work_part part = {.kind = PART_GEMV, .kernels = kernels, .begin = 0, .end = w->n,
-                            .weight = w, .x = x, .m = m, .y = y};
+int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                        int64_t m, float *y, int64_t threads) {
+    const work_part part = {.kind = PART_GEMV,
+                            .kernels = kernels,
+                            .begin = 0,
+                            .end = w->n,
+                            .weight = w,
+                            .x = x,
+                            .m = m,
+                            .y = y};
     const int split = threads > 1 && helper_take();
-    run_shared(&part, split, w->n / 2);
-    if (split) helper_release();
+    const int64_t status = run_shared(&part, split, w->n / 2);
+    if (split)
+        helper_release();
+    return status;
 }
 
 static int weight_fits(const pc_projection *w, int64_t n, int64_t k) {
-    if (w->n != n || w->k != k || w->parts < 1 || w->parts > PC_MAX_PARTS) return 0;
+    if (w->n != n || w->k != k || w->parts < 1 || w->parts > PC_MAX_PARTS)
+        return 0;
     int64_t rows = 0;
     for (int64_t i = 0; i < w->parts; i++) {
         const pc_weight *p = &w->part[i];
@@ -249,7 +266,8 @@ static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s)
     if (s->head_dim % 16 || s->head_dim > PC_MAX_HEAD_DIM || s->num_kv_heads < 1 ||
         s->num_q_heads % s->num_kv_heads)
         return 0;
-    if (s->cache_type != PC_F32 && s->cache_type != PC_F16 && s->cache_type != PC_BF16) return 0;
+    if (s->cache_type != PC_F32 && s->cache_type != PC_F16 && s->cache_type != PC_BF16)
+        return 0;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const pc_projection *p = layers[l].proj;
         if (!weight_fits(&p[0], q_size + 2 * kv_size, s->hidden) ||
@@ -264,49 +282,63 @@ static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s)
 #define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
 
 /* One projection of a layer: y = x w^T, split with the helper where `split` is set. */
-static void project(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                    int64_t m, float *y, int split, int64_t *matmul_ns) {
+static int64_t project(const pc_kernels *kernels, const pc_projection *w, const float *x, int64_t m,
+                       float *y, int split, int64_t *matmul_ns) {
     const int64_t start = matmul_ns ? now_ns() : 0;
-    const work_part part = {.kind = PART_GEMV, .kernels = kernels, .begin = 0, .end = w->n,
-                            .weight = w, .x = x, .m = m, .y = y};
-    run_shared(&part, split, w->n / 2);
-    if (matmul_ns) *matmul_ns += now_ns() - start;
+    const work_part part = {.kind = PART_GEMV,
+                            .kernels = kernels,
+                            .begin = 0,
+                            .end = w->n,
+                            .weight = w,
+                            .x = x,
+                            .m = m,
+                            .y = y};
+    const int64_t status = run_shared(&part, split, w->n / 2);
+    if (matmul_ns)
+        *matmul_ns += now_ns() - start;
+    return status;
 }
 
 /* x [m, hidden] is the residual stream, updated in place; cos and sin [m, head_dim] are each
    row's RoPE rows (the sin table signed for rotate_half, as model.rope_tables builds it);
    write_slots [m] is where each row's K/V goes; block_tables [m, table_width] int32 and
    seq_lens [m] int32 are each row's pages and context length, its new token included (the
-   step's AttentionMetadata as it is). Returns PC_OK, PC_NO_MEMORY, PC_BAD_SHAPE (a weight or
-   head size the kernels do not take) or PC_OUT_OF_POOL (a write slot, block or length
-   outside the pool), all checked before anything is written. Where matmul_ns is not NULL,
+   step's AttentionMetadata as it is). Returns PC_OK, PC_NO_MEMORY (the step is then lost:
+   x and the cache hold a part of it), PC_BAD_SHAPE (a weight or head size the kernels do not
+   take) or PC_OUT_OF_POOL (a write slot, block or length outside the pool); the last two are
+   checked before anything is written. Where matmul_ns is not NULL,
    the nanoseconds spent in the four GEMVs are added to it (benchmarks/engine_step.py's
    matmul share: no hook sees inside this call). */
 int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *layers,
                          const pc_decoder_shape *shape, float *x, int64_t m, const float *cos,
-                         const float *sin, const int64_t *write_slots,
-                         const int32_t *block_tables, int64_t table_width,
-                         const int32_t *seq_lens, int64_t threads, int64_t *matmul_ns) {
+                         const float *sin, const int64_t *write_slots, const int32_t *block_tables,
+                         int64_t table_width, const int32_t *seq_lens, int64_t threads,
+                         int64_t *matmul_ns) {
     const int64_t h = shape->hidden, inter = shape->intermediate, d = shape->head_dim;
     const int64_t hq = shape->num_q_heads, hkv = shape->num_kv_heads, bs = shape->block_size;
     const int64_t q_size = hq * d, kv_size = hkv * d, qkv_size = q_size + 2 * kv_size;
-    if (!layers_fit(layers, shape)) return PC_BAD_SHAPE;
+    if (!layers_fit(layers, shape))
+        return PC_BAD_SHAPE;
     /* Nothing outside the pool is written or read: every write slot and every block a
        context reads lies in it (a few rows: cheap next to the step). */
     int64_t max_context = 0;
     for (int64_t r = 0; r < m; r++) {
-        if (write_slots[r] < 0 || write_slots[r] >= shape->cache_blocks * bs) return PC_OUT_OF_POOL;
-        if (seq_lens[r] < 1 || seq_lens[r] > table_width * bs) return PC_OUT_OF_POOL;
+        if (write_slots[r] < 0 || write_slots[r] >= shape->cache_blocks * bs)
+            return PC_OUT_OF_POOL;
+        if (seq_lens[r] < 1 || seq_lens[r] > table_width * bs)
+            return PC_OUT_OF_POOL;
         for (int64_t b = 0; b < (seq_lens[r] + bs - 1) / bs; b++) {
             const int32_t block = block_tables[r * table_width + b];
-            if (block < 0 || block >= shape->cache_blocks) return PC_OUT_OF_POOL;
+            if (block < 0 || block >= shape->cache_blocks)
+                return PC_OUT_OF_POOL;
         }
         max_context = seq_lens[r] > max_context ? seq_lens[r] : max_context;
     }
     /* per row: the normed input, qkv, the attention's output, gate_up, SiLU's output, one
        projection's output; then two threads' scores and a lone row's second half */
     const int64_t per_row = h + qkv_size + q_size + 2 * inter + inter + h;
-    float *work = malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + 4 * hq + q_size));
+    float *work =
+        malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + 4 * hq + q_size));
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context + m));
     if (work == NULL || slots == NULL) {
         free(work);
@@ -320,31 +352,47 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
         lens[r] = seq_lens[r];
         total_context += seq_lens[r];
         for (int64_t c = 0; c < seq_lens[r]; c++)
-            slots[r * max_context + c] = (int64_t)block_tables[r * table_width + c / bs] * bs + c % bs;
+            slots[r * max_context + c] =
+                (int64_t)block_tables[r * table_width + c / bs] * bs + c % bs;
     }
     /* the row where the attention's split gives each thread half the context to read */
     int64_t balanced_split = 1, seen = lens[0];
-    while (balanced_split < m - 1 && 2 * seen < total_context) seen += lens[balanced_split++];
+    while (balanced_split < m - 1 && 2 * seen < total_context)
+        seen += lens[balanced_split++];
     float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
     float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
-    float *scores = proj + m * h;            /* [2, hq, max_context]: one per thread */
+    float *scores = proj + m * h;                  /* [2, hq, max_context]: one per thread */
     float *halves = scores + 2 * hq * max_context; /* peaks and totals of two, the helper's out */
     const int split = threads > 1 && helper_take();
+    int64_t status = PC_OK; /* a kernel's failure (out of memory) ends the step: see done */
     for (int64_t l = 0; l < shape->num_layers; l++) {
         const pc_decoder_layer *layer = layers + l;
         kernels->rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
-        project(kernels, &layer->proj[0], normed, m, qkv, split, matmul_ns);
+        if ((status = project(kernels, &layer->proj[0], normed, m, qkv, split, matmul_ns)))
+            goto done;
         kernels->rope_write(qkv, m, qkv_size, hq, hkv, d, cos, sin, write_slots, layer->k_cache,
                             layer->v_cache, shape->cache_type);
-        const pc_attention rows = {.q = qkv, .q_stride = qkv_size, .k_cache = layer->k_cache,
-                                   .v_cache = layer->v_cache, .cache_type = shape->cache_type,
-                                   .slots = slots, .slot_stride = max_context, .seq_lens = lens,
-                                   .out = attn, .scores = scores, .hq = hq, .hkv = hkv, .d = d,
+        const pc_attention rows = {.q = qkv,
+                                   .q_stride = qkv_size,
+                                   .k_cache = layer->k_cache,
+                                   .v_cache = layer->v_cache,
+                                   .cache_type = shape->cache_type,
+                                   .slots = slots,
+                                   .slot_stride = max_context,
+                                   .seq_lens = lens,
+                                   .out = attn,
+                                   .scores = scores,
+                                   .hq = hq,
+                                   .hkv = hkv,
+                                   .d = d,
                                    .scale = shape->scale};
         if (split && m == 1 && lens[0] >= 2 * MIN_CONTEXT_HALF) {
             /* a lone sequence: each thread half its context, merged */
-            work_part mine = {.kind = PART_ATTENTION_CONTEXT, .kernels = kernels, .begin = 0,
-                              .end = lens[0] / 2, .attention = rows};
+            work_part mine = {.kind = PART_ATTENTION_CONTEXT,
+                              .kernels = kernels,
+                              .begin = 0,
+                              .end = lens[0] / 2,
+                              .attention = rows};
             work_part theirs = mine;
             theirs.begin = lens[0] / 2;
             theirs.end = lens[0];
@@ -354,35 +402,54 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
             theirs.attention.totals = halves + 3 * hq;
             theirs.attention.scores = scores + hq * max_context;
             theirs.attention.out = halves + 4 * hq;
-            run_split(&theirs, &mine);
+            if ((status = run_split(&theirs, &mine)))
+                goto done;
             merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
                          halves + 3 * hq, hq, d);
         } else {
             /* each thread its own rows (as much context to read on both sides: a prefill
                chunk's later rows read more), and its own scores */
-            work_part part = {.kind = PART_ATTENTION_ROWS, .kernels = kernels, .begin = 0,
-                              .end = m, .attention = rows};
+            work_part part = {.kind = PART_ATTENTION_ROWS,
+                              .kernels = kernels,
+                              .begin = 0,
+                              .end = m,
+                              .attention = rows};
             if (split && m > 1) {
                 work_part theirs = part;
                 theirs.begin = part.end = balanced_split;
                 theirs.attention.scores = scores + hq * max_context;
-                run_split(&theirs, &part);
+                status = run_split(&theirs, &part);
             } else {
                 run_part(&part);
+                status = part.status;
             }
+            if (status)
+                goto done;
         }
-        project(kernels, &layer->proj[1], attn, m, proj, split, matmul_ns);
-        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+        if ((status = project(kernels, &layer->proj[1], attn, m, proj, split, matmul_ns)))
+            goto done;
+        for (int64_t i = 0; i < m * h; i++)
+            x[i] += proj[i];
         kernels->rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
-        project(kernels, &layer->proj[2], normed, m, gate_up, split, matmul_ns);
-        const work_part gated = {.kind = PART_SILU_MUL, .kernels = kernels, .begin = 0,
-                                 .end = m * inter, .x = gate_up, .y = act, .inter = inter};
+        if ((status = project(kernels, &layer->proj[2], normed, m, gate_up, split, matmul_ns)))
+            goto done;
+        const work_part gated = {.kind = PART_SILU_MUL,
+                                 .kernels = kernels,
+                                 .begin = 0,
+                                 .end = m * inter,
+                                 .x = gate_up,
+                                 .y = act,
+                                 .inter = inter};
         run_shared(&gated, split, m * inter / 2);
-        project(kernels, &layer->proj[3], act, m, proj, split, matmul_ns);
-        for (int64_t i = 0; i < m * h; i++) x[i] += proj[i];
+        if ((status = project(kernels, &layer->proj[3], act, m, proj, split, matmul_ns)))
+            goto done;
+        for (int64_t i = 0; i < m * h; i++)
+            x[i] += proj[i];
     }
-    if (split) helper_release();
+done:
+    if (split)
+        helper_release();
     free(slots);
     free(work);
-    return PC_OK;
+    return status;
 }
