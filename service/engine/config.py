@@ -17,8 +17,9 @@ docs/perf.md, and its figures measured before the project started):
 - cpu_isa "auto": each CPU kernel's best version this CPU runs, chosen when the process starts
   (kernels/cpu/dispatch.py).
 - kv_cache_dtype "auto" is float16 on the CPU (half the bytes the decode attention reads and
-  the pools hold; every kernel version widens it to fp32 as it loads) and the activations'
-  dtype on CUDA.
+  the pools hold; every kernel version widens it to fp32 as it loads; bfloat16's three bits
+  fewer flipped a near-tie of the bundled model's greedy answers that float16 kept) and the
+  activations' dtype on CUDA.
 - num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
   and leaves a core for the event loop.
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
@@ -98,10 +99,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "the KV cache's dtype, its swap pool's and the third tier's: auto (float16 on a CPU"
-        " with the CPU kernels and the torch attention backend, the activations' dtype"
-        " elsewhere) | float32 | bfloat16 | float16. The CPU attention widens it to fp32 as it"
-        " reads",
+        "the KV cache's dtype, its swap pool's and the third tier's: auto (float16 on a CPU with"
+        " the CPU kernels and the torch attention backend, the activations' dtype elsewhere) |"
+        " float32 | bfloat16 | float16. The CPU attention widens it to fp32 as it reads",
     )
     attention_backend: str = setting(
         "auto", "auto (triton on CUDA, torch, the reference, on the CPU) | torch | triton"
@@ -249,6 +249,8 @@ class EngineConfig:
             return _named_dtype(self.kv_cache_dtype, "kv_cache_dtype")
         on_cpu = self.torch_device().type == "cpu" and self.attention_backend in ("auto", "torch")
         if on_cpu and self.cpu_kernels() is not None:
+            # fp16, not bf16: three more bits of mantissa, the same bytes, and every version
+            # widens it fast (F16C, NEON in hardware; the generic one a whole row at a time)
             return torch.float16
         return activations
 
