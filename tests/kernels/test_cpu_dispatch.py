@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter; auto there means auto (whatever this run forces)."""
+    base = {k: v for k, v in os.environ.items() if k != "PAGECHAT_CPU_ISA"}
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, **env}, capture_output=True,
+        [sys.executable, "-c", code], cwd=REPO, env={**base, **env}, capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
 
@@ -99,7 +101,10 @@ def test_the_dockerfiles_library_picks_each_version_this_cpu_runs(tmp_path: Path
     assert not (tmp_path / "cache").exists()  # nothing was built at start-up
 
 
-def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best() -> None:
+def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PAGECHAT_CPU_ISA", raising=False)
     best = dispatch.select("auto")
     assert best is not None
     assert set(best.chosen) == set(dispatch.KERNELS)
@@ -110,7 +115,10 @@ def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best() -> None:
         assert forced.describe() == isa
 
 
-def test_a_version_this_cpu_cannot_run_or_that_does_not_exist_is_refused() -> None:
+def test_a_version_this_cpu_cannot_run_or_that_does_not_exist_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PAGECHAT_CPU_ISA", raising=False)
     best = dispatch.select("auto")
     assert best is not None
     missing = [isa for isa in dispatch.names() if isa not in best.runnable]
