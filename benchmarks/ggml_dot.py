@@ -11,17 +11,20 @@ then each one's error against float64 over the dequantized weights, relative to 
 
 ggml's library is built from the llama.cpp sources scripts/build-llama-server.sh fetches:
 
-    cmake -S build/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp -B build/llama.cpp/ggml-shared \\
-        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF \\
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+    src=build/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    cmake -S $src -B build/llama.cpp/ggml-shared -DCMAKE_BUILD_TYPE=Release \\
+        -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
+        -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
     cmake --build build/llama.cpp/ggml-shared --target ggml-cpu -j2
-    .venv/bin/python -m benchmarks.ggml_dot [--lib build/llama.cpp/ggml-shared/bin] [--cpu-isa auto avx2]
+    .venv/bin/python -m benchmarks.ggml_dot [--lib build/llama.cpp/ggml-shared/bin] \\
+        [--cpu-isa auto avx2]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import subprocess
 import sys
 import tempfile
@@ -93,9 +96,9 @@ class Ggml:
             y = torch.empty(1, n)
             from_float(x.data_ptr(), ctypes.addressof(xq), k)
             self.loop(
-                ctypes.c_void_p(traits.vec_dot), ctypes.c_int(k), ctypes.c_void_p(weight.data.data_ptr()),
-                ctypes.c_size_t(weight.data.shape[1]), xq, ctypes.c_void_p(y.data_ptr()),
-                ctypes.c_int64(n),
+                ctypes.c_void_p(traits.vec_dot), ctypes.c_int(k),
+                ctypes.c_void_p(weight.data.data_ptr()), ctypes.c_size_t(weight.data.shape[1]),
+                xq, ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(n),
             )  # fmt: skip
             return y
 
@@ -119,13 +122,51 @@ def _error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float(((y.double() - want).abs() / scale).max())
 
 
+def _row(kind: WeightType, ggml: Ggml, isas: list[str], gen: torch.Generator) -> str:
+    """One type's table row: each version's and ggml's milliseconds, then the errors."""
+    weights = [random_blocks(kind, n, _k(kind, k), gen) for n, k in SHAPES]
+    xs = {w.k: torch.randn(1, w.k, generator=gen) for w in weights}
+    theirs = [(ggml.gemv(w), w) for w in weights]
+    ours = [dispatch.select(isa) for isa in isas]
+    times = []
+    for kernels in ours:
+        assert kernels is not None
+        times.append(_best_ms(functools.partial(_ours, kernels, weights, xs)))
+    ggml_ms = _best_ms(lambda: [fn(xs[w.k]) for fn, w in theirs])
+    our_err = ggml_err = 0.0
+    for (fn, w), kernels in zip(theirs, ours * len(theirs), strict=False):
+        assert kernels is not None
+        dense = _dequantized(w)
+        our_err = max(our_err, _error(ops.gemv(kernels, w, xs[w.k]), xs[w.k], dense))
+        ggml_err = max(ggml_err, _error(fn(xs[w.k]), xs[w.k], dense))
+    cells = " | ".join(f"{t:.3f}" for t in times)
+    return f"| {kind.name} | {cells} | {ggml_ms:.3f} | {our_err:.1e} | {ggml_err:.1e} |"
+
+
+def _ours(kernels: dispatch.KernelSet, weights: list[Blocks], xs: dict[int, torch.Tensor]) -> None:
+    for w in weights:
+        ops.gemv(kernels, w, xs[w.k])
+
+
+def _k(kind: WeightType, k: int) -> int:
+    """The K types take whole super-blocks of 256: 512 where the model's 576 has none."""
+    return 512 if kind >= WeightType.Q4_K and k % 256 else k
+
+
+def _dequantized(weight: Blocks) -> torch.Tensor:
+    kind = gguf.GGMLQuantizationType(int(weight.kind))
+    return torch.from_numpy(np.array(gguf.quants.dequantize(weight.data.numpy(), kind)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lib", type=Path, default=DEFAULT_LIB)
     parser.add_argument("--cpu-isa", nargs="+", default=["auto"])
     args = parser.parse_args(argv)
     if not (args.lib / "libggml-cpu.so").is_file():
-        print(f"SKIPPED: no libggml-cpu.so in {args.lib} (see the top of this file)", file=sys.stderr)
+        print(
+            f"SKIPPED: no libggml-cpu.so in {args.lib} (see the top of this file)", file=sys.stderr
+        )
         return 0
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -137,29 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         ggml = Ggml(args.lib, Path(work))
         for kind in TYPES:
-            k_of = (lambda k: 512 if k == 576 else k) if kind >= WeightType.Q4_K else (lambda k: k)
-            weights = [random_blocks(kind, n, k_of(k), gen) for n, k in SHAPES]
-            xs = {w.k: torch.randn(1, w.k, generator=gen) for w in weights}
-            theirs = [(ggml.gemv(w), w) for w in weights]
-            ours = [dispatch.select(isa) for isa in args.cpu_isa]
-            times = [
-                _best_ms(lambda ks=ks: [ops.gemv(ks, w, xs[w.k]) for w in weights])  # type: ignore[misc]
-                for ks in ours
-            ]
-            ggml_ms = _best_ms(lambda: [fn(xs[w.k]) for fn, w in theirs])
-            dense = {
-                id(w): torch.from_numpy(
-                    np.array(
-                        gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType(int(kind)))
-                    )
-                )
-                for w in weights
-            }
-            assert ours[0] is not None
-            our_err = max(_error(ops.gemv(ours[0], w, xs[w.k]), xs[w.k], dense[id(w)]) for w in weights)
-            ggml_err = max(_error(fn(xs[w.k]), xs[w.k], dense[id(w)]) for fn, w in theirs)
-            cells = " | ".join(f"{t:.3f}" for t in times)
-            print(f"| {kind.name} | {cells} | {ggml_ms:.3f} | {our_err:.1e} | {ggml_err:.1e} |")
+            print(_row(kind, ggml, args.cpu_isa, gen))
     return 0
 
 

@@ -24,7 +24,11 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).with_name("src")
 PER_ISA_SOURCES = ("quants.c", "attention.c", "ops.c")
 ONCE_SOURCES = ("stack.c", "features.c")
-HEADERS = ("pagechat_cpu.h", "simd.h", "blocks.h")  # harness.c, a test program, is not in the library
+HEADERS = (
+    "pagechat_cpu.h",
+    "simd.h",
+    "blocks.h",
+)  # harness.c, a test program, is not in the library
 # -ffp-contract=off: a * b + c is fused only where the source says so (vf_fma), never where the
 # compiler's unrolling happens to find it, so that a row's sums are the same bits in every
 # specialization of a loop (one input row and several took different roundings with it on).
