@@ -33,7 +33,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("CPU kernel versions")
         for isa in dict.fromkeys([*counts, *skipped]):
             ran = counts.get(isa, collections.Counter())
-            terminalreporter.write_line(
-                f"{isa}: {ran['passed']} passed, {ran['failed'] + ran['error']} failed, "
-                f"{skipped[isa]} skipped (this CPU cannot execute them)"
-            )
+            line = f"{isa}: {ran['passed']} passed, {ran['failed'] + ran['error']} failed"
+            if skipped[isa]:
+                line += f", {skipped[isa]} skipped (this CPU cannot execute them)"
+            terminalreporter.write_line(line)

@@ -71,6 +71,7 @@ def target(
     runs = subprocess.run([*harnesses[name], "runs"], capture_output=True, text=True, timeout=60)
     if isa not in runs.stdout.split():
         pytest.skip(f"this CPU cannot execute the {isa} kernels")
+    request.node.user_properties.append(("cpu_isa", f"{isa} ({name})"))
     return harnesses[name], isa
 
 
