@@ -142,6 +142,8 @@ def test_decode_steps_run_the_stack_and_match_the_layers_op_by_op(
     prompts = {f"r{i}": [(7 * i + j) % 400 + 17 for j in range(5 + 9 * i)] for i in range(5)}
     run(engine, prompts, greedy(12), join_at={"r3": 4, "r4": 7})
     run(engine, {"alone": [(3 * j) % 400 + 17 for j in range(90)]}, greedy(4))
+    # chunks that sample nothing (128 tokens a step): the LM head gets no rows
+    run(engine, {"long": [(5 * j) % 400 + 17 for j in range(300)]}, greedy(2))
     assert {s.rows for s in seen} >= {1, 3, 5}  # one sequence, and several
     assert any(s.chunk for s in seen) and any(not s.chunk for s in seen)  # prefill and decode
     # A lone decoding sequence of 64 positions or more: two threads split its context.
@@ -215,6 +217,6 @@ def test_no_stack_where_its_kernels_do_not_apply(
     engine = make_engine(loaded=tiny_int4)
     assert engine.runner.decoder_stack is not None
     runs = engine.runner._runs_natively
-    assert runs([1, 1], [900, 5000]) and runs([5, 1], [40, 1024])  # decode; short contexts
-    assert not runs([5, 1], [1025, 30])  # a prefill chunk's context over the limit
+    assert runs([1, 1], [900, 9000]) and runs([5, 1], [40, 8192])  # decode; short contexts
+    assert not runs([5, 1], [8193, 30])  # a prefill chunk's context over the limit
     assert not runs([600, 600], [600, 600])  # more rows than the stack takes

@@ -100,6 +100,13 @@ def test_two_threads_compute_the_same_product_and_parts_follow_one_another(
         assert torch.equal(ops.gemv_threads(cpu, [q, v], x, threads), want)
 
 
+def test_no_input_rows_give_an_empty_product(cpu: KernelSet) -> None:
+    # A step whose chunks all continue a prefill samples nothing: its LM head gets no rows.
+    weight = random_blocks(WeightType.Q8_0, 64, 64, torch.Generator().manual_seed(13))
+    assert ops.gemv(cpu, weight, torch.empty(0, 64)).shape == (0, 64)
+    assert ops.gemv_threads(cpu, [weight], torch.empty(0, 64), 2).shape == (0, 64)
+
+
 def test_shapes_that_do_not_fit_are_refused_before_any_memory_is_touched(
     cpu: KernelSet,
 ) -> None:

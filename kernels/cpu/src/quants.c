@@ -248,6 +248,8 @@ static row_fn row_kernel(int64_t type) {
    Returns PC_OK, or PC_NO_MEMORY (nothing written) where its buffer could not be had. */
 int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+    if (m < 1 || n_begin >= n_end)
+        return PC_OK; /* nothing to compute (a step with no sample) */
     /* tiles above GEMV_ROWS rows take TILE_J dequantized rows, fewer rows their inputs'
        sums over each sub-block */
     const int64_t floats = m > GEMV_ROWS ? TILE_J * k : m * (k / 32);
