@@ -226,25 +226,6 @@ static void merge_ranges(float *out, const float *other, const float *peaks, con
 
 /* ---- entry points ---------------------------------------------------------------------- */
 
-/* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split with the helper
-   thread where `threads` is 2 and the helper is free (the LM head of a step). */
-int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                        int64_t m, float *y, int64_t threads) {
-    const work_part part = {.kind = PART_GEMV,
-                            .kernels = kernels,
-                            .begin = 0,
-                            .end = w->n,
-                            .weight = w,
-                            .x = x,
-                            .m = m,
-                            .y = y};
-    const int split = threads > 1 && helper_take();
-    const int64_t status = run_shared(&part, split, w->n / 2);
-    if (split)
-        helper_release();
-    return status;
-}
-
 static int weight_fits(const pc_projection *w, int64_t n, int64_t k) {
     if (w->n != n || w->k != k || w->parts < 1 || w->parts > PC_MAX_PARTS)
         return 0;
@@ -296,6 +277,17 @@ static int64_t project(const pc_kernels *kernels, const pc_projection *w, const 
     const int64_t status = run_shared(&part, split, w->n / 2);
     if (matmul_ns)
         *matmul_ns += now_ns() - start;
+    return status;
+}
+
+/* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split with the helper
+   thread where `threads` is 2 and the helper is free (the LM head of a step). */
+int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                        int64_t m, float *y, int64_t threads) {
+    const int split = threads > 1 && helper_take();
+    const int64_t status = project(kernels, w, x, m, y, split, NULL);
+    if (split)
+        helper_release();
     return status;
 }
 
