@@ -32,7 +32,13 @@ HEADERS = (
 # -ffp-contract=off: a * b + c is fused only where the source says so (vf_fma), never where the
 # compiler's unrolling happens to find it, so that a row's sums are the same bits in every
 # specialization of a loop (one input row and several took different roundings with it on).
-COMMON_FLAGS = ("-O3", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno", "-ffp-contract=off")
+# -fno-trapping-math: no kernel reads the FP exception flags, and without it GCC keeps a clamp
+# or a floor from being vectorized (the softmax's exp ran one element at a time); it changes
+# no value.
+COMMON_FLAGS = (
+    "-O3", "-fPIC", "-std=gnu11", "-pthread", "-fno-math-errno", "-fno-trapping-math",
+    "-ffp-contract=off",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

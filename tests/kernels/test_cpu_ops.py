@@ -124,32 +124,41 @@ def test_shapes_that_do_not_fit_are_refused_before_any_memory_is_touched(
         Blocks(WeightType.Q4_K, torch.zeros(2, 144, dtype=torch.uint8), 100)
 
 
-def _cache(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(
+    dtype: torch.dtype, gen: torch.Generator, hkv: int = 2, d: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
     # [N, bs, Hkv, D] with NaN in every slot no sequence owns: a wrong index shows
-    k, v = torch.randn(2, 12, 4, 2, 64, generator=gen).unbind(0)
+    k, v = torch.randn(2, 12, 4, hkv, d, generator=gen).unbind(0)
     owned = torch.zeros(12 * 4, dtype=torch.bool)
     owned[:40] = True
     for cache in (k, v):
-        cache.view(48, 2, 64)[~owned] = float("nan")
+        cache.view(48, hkv, d)[~owned] = float("nan")
     return k.to(dtype).contiguous(), v.to(dtype).contiguous()
 
 
+# (query heads, KV heads, head size): the kernel scores a KV head's query heads four at a
+# time and accumulates 2 (AVX2) or 4 (AVX512) vectors of each output at a time, so groups of
+# 1, 3, 6 and 8 heads and head sizes of 5 and 8 vectors cover its whole and partial steps.
+HEAD_LAYOUTS = [(6, 2, 64), (8, 1, 64), (12, 2, 80), (7, 7, 128), (4, 4, 16)]
+
+
 @pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))
+@pytest.mark.parametrize(("hq", "hkv", "d"), HEAD_LAYOUTS)
 def test_paged_decode_reads_the_cache_in_place_as_sdpa_over_it_does(
-    cpu: KernelSet, dtype: torch.dtype
+    cpu: KernelSet, dtype: torch.dtype, hq: int, hkv: int, d: int
 ) -> None:
     gen = torch.Generator().manual_seed(10)
-    k, v = _cache(dtype, gen)
-    query = torch.randn(3, 6, 64, generator=gen)  # 6 query heads over 2 KV heads
+    k, v = _cache(dtype, gen, hkv, d)
+    query = torch.randn(3, hq, d, generator=gen)
     lens = torch.tensor([40, 1, 17])
     slots = torch.stack([torch.randperm(40, generator=gen) for _ in range(3)])  # [3, 40]
-    got = ops.paged_decode(cpu, query, k, v, slots, lens, 0.125)
+    got = ops.paged_decode(cpu, query, k, v, slots, lens, d**-0.5)
     for b in range(3):
         ctx = slots[b, : lens[b]]
-        keys = k.view(48, 2, 64)[ctx].float().transpose(0, 1)[None]  # [1, Hkv, C, D]
-        values = v.view(48, 2, 64)[ctx].float().transpose(0, 1)[None]
+        keys = k.view(48, hkv, d)[ctx].float().transpose(0, 1)[None]  # [1, Hkv, C, D]
+        values = v.view(48, hkv, d)[ctx].float().transpose(0, 1)[None]
         want = F.scaled_dot_product_attention(
-            query[b][None, :, None], keys, values, scale=0.125, enable_gqa=True
+            query[b][None, :, None], keys, values, scale=d**-0.5, enable_gqa=True
         )[0, :, 0]
         assert torch.allclose(got[b], want, rtol=1e-5, atol=1e-5)
 

@@ -8,9 +8,14 @@
 #include "pagechat_cpu.h"
 #include "simd.h"
 
-#define V_VECTORS 4 /* output vectors of one head accumulated in registers at a time */
+/* A KV head's query heads are scored HEADS_TOGETHER at a time, so each K and V element is
+   loaded and widened once for them all (and their FMA chains run side by side); V_VECTORS
+   vectors of each head's output are accumulated in registers at a time (AVX2's 16 registers
+   hold 4 heads x 2 and the loads; AVX512's 32, 4 x 4). Each head's sums run in the same order
+   as one head alone: the result does not depend on the grouping. */
+#define HEADS_TOGETHER 4
+#define V_VECTORS (VF_W == 16 ? 4 : 2)
 
-/* VF_W elements of a cache of `type` from element `at`, as fp32 */
 static inline __attribute__((always_inline)) vf load_kv(const void *cache, int64_t at,
                                                         const int64_t type) {
     if (type == PC_F16)
@@ -18,6 +23,41 @@ static inline __attribute__((always_inline)) vf load_kv(const void *cache, int64
     if (type == PC_BF16)
         return vf_load_bf16((const uint16_t *)cache + at);
     return vf_load((const float *)cache + at);
+}
+
+/* The largest and the sum of s[0..len), len >= 1, each over LANES interleaved partial results
+   combined in one fixed order: lanes the compiler vectorizes (a single running value is one
+   dependent chain the compiler may not reorder), and the same sums in every version. */
+#define LANES 8
+
+static inline float largest(const float *s, int64_t len) {
+    float part[LANES];
+    for (int j = 0; j < LANES; j++)
+        part[j] = s[0];
+    int64_t c = 0;
+    for (; c + LANES <= len; c += LANES)
+        for (int j = 0; j < LANES; j++)
+            part[j] = s[c + j] > part[j] ? s[c + j] : part[j];
+    for (; c < len; c++)
+        part[0] = s[c] > part[0] ? s[c] : part[0];
+    float peak = part[0];
+    for (int j = 1; j < LANES; j++)
+        peak = part[j] > peak ? part[j] : peak;
+    return peak;
+}
+
+static inline float sum(const float *s, int64_t len) {
+    float part[LANES] = {0};
+    int64_t c = 0;
+    for (; c + LANES <= len; c += LANES)
+        for (int j = 0; j < LANES; j++)
+            part[j] += s[c + j];
+    for (; c < len; c++)
+        part[0] += s[c];
+    float total = 0.0f;
+    for (int j = 0; j < LANES; j++)
+        total += part[j];
+    return total;
 }
 
 /* One row's attention over `len` context slots `ctx`: out [hq, d] from q [hq, d]. Where
@@ -30,49 +70,66 @@ static inline __attribute__((always_inline)) void attend_one(const pc_attention 
     const int64_t hq = a->hq, hkv = a->hkv, d = a->d, group = hq / hkv;
     float *scores = a->scores; /* [hq, len] */
     for (int64_t c = 0; c < len; c++) {
-        const int64_t slot = ctx[c] * hkv * d;
-        for (int64_t h = 0; h < hq; h++) {
-            const int64_t k_at = slot + h / group * d;
-            vf acc = vf_zero();
-            for (int64_t i = 0; i < d; i += VF_W)
-                acc = vf_fma(vf_load(q + h * d + i), load_kv(a->k_cache, k_at + i, type), acc);
-            scores[h * len + c] = a->scale * vf_sum(acc);
+        for (int64_t h0 = 0; h0 < hq; h0 += HEADS_TOGETHER) {
+            /* heads h0.. of one KV head: a group's heads are consecutive */
+            const int64_t in_group = group - h0 % group;
+            const int64_t heads = in_group < HEADS_TOGETHER ? in_group : HEADS_TOGETHER;
+            const int64_t k_at = ctx[c] * hkv * d + h0 / group * d;
+            vf acc[HEADS_TOGETHER];
+            for (int j = 0; j < HEADS_TOGETHER; j++)
+                acc[j] = vf_zero();
+            for (int64_t i = 0; i < d; i += VF_W) {
+                const vf k = load_kv(a->k_cache, k_at + i, type);
+                for (int j = 0; j < HEADS_TOGETHER; j++)
+                    if (j < heads)
+                        acc[j] = vf_fma(vf_load(q + (h0 + j) * d + i), k, acc[j]);
+            }
+            for (int j = 0; j < HEADS_TOGETHER; j++)
+                if (j < heads)
+                    scores[(h0 + j) * len + c] = a->scale * vf_sum(acc[j]);
+            h0 += heads - HEADS_TOGETHER; /* a group's last heads end the step early */
         }
     }
     for (int64_t h = 0; h < hq; h++) {
         float *s = scores + h * len;
-        float peak = s[0], total = 0.0f;
-        for (int64_t c = 1; c < len; c++)
-            peak = s[c] > peak ? s[c] : peak;
+        const float peak = largest(s, len);
         for (int64_t c = 0; c < len; c++)
             s[c] = exp_nonpositive(s[c] - peak);
-        for (int64_t c = 0; c < len; c++)
-            total += s[c];
+        const float total = sum(s, len);
         if (peaks)
             peaks[h] = peak, totals[h] = total;
         const float inv = 1.0f / total;
         for (int64_t c = 0; c < len; c++)
             s[c] *= inv;
     }
-    for (int64_t h = 0; h < hq; h++) {
-        const float *p = scores + h * len;
-        const int64_t head = h / group * d;
+    for (int64_t h0 = 0; h0 < hq; h0 += HEADS_TOGETHER) {
+        const int64_t in_group = group - h0 % group;
+        const int64_t heads = in_group < HEADS_TOGETHER ? in_group : HEADS_TOGETHER;
+        const int64_t head = h0 / group * d;
         for (int64_t i0 = 0; i0 < d; i0 += V_VECTORS * VF_W) {
             const int64_t vectors = d - i0 < V_VECTORS * VF_W ? (d - i0) / VF_W : V_VECTORS;
-            vf acc[V_VECTORS];
-            for (int v = 0; v < V_VECTORS; v++)
-                acc[v] = vf_zero();
-            for (int64_t c = 0; c < len; c++) {
-                const vf weight = vf_set1(p[c]);
-                const int64_t v_at = ctx[c] * hkv * d + head + i0;
+            vf acc[HEADS_TOGETHER][V_VECTORS];
+            for (int j = 0; j < HEADS_TOGETHER; j++)
                 for (int v = 0; v < V_VECTORS; v++)
-                    if (v < vectors)
-                        acc[v] = vf_fma(weight, load_kv(a->v_cache, v_at + v * VF_W, type), acc[v]);
+                    acc[j][v] = vf_zero();
+            for (int64_t c = 0; c < len; c++) {
+                const int64_t v_at = ctx[c] * hkv * d + head + i0;
+                for (int v = 0; v < V_VECTORS; v++) {
+                    if (v >= vectors)
+                        break;
+                    const vf value = load_kv(a->v_cache, v_at + v * VF_W, type);
+                    for (int j = 0; j < HEADS_TOGETHER; j++)
+                        if (j < heads)
+                            acc[j][v] =
+                                vf_fma(vf_set1(scores[(h0 + j) * len + c]), value, acc[j][v]);
+                }
             }
-            for (int v = 0; v < V_VECTORS; v++)
-                if (v < vectors)
-                    vf_store(out + h * d + i0 + v * VF_W, acc[v]);
+            for (int j = 0; j < HEADS_TOGETHER; j++)
+                for (int v = 0; v < V_VECTORS; v++)
+                    if (j < heads && v < vectors)
+                        vf_store(out + (h0 + j) * d + i0 + v * VF_W, acc[j][v]);
         }
+        h0 += heads - HEADS_TOGETHER;
     }
 }
 
