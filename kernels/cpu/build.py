@@ -41,6 +41,10 @@ COMMON_FLAGS = (
 )  # fmt: skip
 
 
+# vnni's level with Intel's tile unit (AMX-TILE, AMX-BF16): quants.c's products of many rows
+AMX_FLAGS = ("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")
+
+
 @dataclass(frozen=True, slots=True)
 class Isa:
     """One version of the kernels: its name (the symbols' suffix), its compiler flags, and
@@ -59,6 +63,7 @@ ISAS: dict[str, tuple[Isa, ...]] = {
         Isa("avx2", ("-march=x86-64-v3", "-mtune=generic"), "PC_ISA_AVX2"),
         Isa("avx512", ("-march=x86-64-v4", "-mtune=generic"), "PC_ISA_AVX512"),
         Isa("vnni", ("-march=x86-64-v4", "-mavx512vnni", "-mtune=generic"), "PC_ISA_VNNI"),
+        Isa("amx", (*AMX_FLAGS, "-mtune=generic"), "PC_ISA_AMX"),
     ),
     "aarch64": (
         Isa("generic", ("-march=armv8-a",), "PC_ISA_GENERIC"),

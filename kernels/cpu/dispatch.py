@@ -2,7 +2,8 @@
 CPU can execute, kernel by kernel.
 
 `select("auto")` takes the best version this CPU runs (features.c: x86-64-v3 for avx2,
-x86-64-v4 for avx512, AVX512-VNNI on top for vnni; NEON with dot products for neon) or,
+x86-64-v4 for avx512, AVX512-VNNI on top for vnni, AMX-TILE and AMX-BF16 with Linux's leave
+to use them for amx; NEON with dot products for neon) or,
 where $PAGECHAT_CPU_ISA names one, that version; `select("avx2")` forces one (refused where
 the CPU cannot run it). Each kernel's version is then probed against the generic version on
 small random inputs: a version that disagrees is not used, that kernel alone falls back to
@@ -164,9 +165,11 @@ def _probe_gemv(version: KernelSet, generic: KernelSet) -> str | None:
         k = 2 * (256 if kind >= WeightType.Q4_K else 32)
         weight = random_blocks(kind, 8, k, gen)
         dense = ops.dequantize(generic, weight, (0, 8), torch.empty(8, k))
-        for m in (1, 5):  # products in registers, and through a dequantized row
+        # products in registers, through a dequantized row, and (amx) through the tile unit,
+        # whose three bf16 products keep within 2^-16 of |x| |w| where fp32's keep 1e-7
+        for m in (1, 5, 40):
             x = torch.randn(m, k, generator=gen)
-            bound = 1e-5 * (x.abs().double() @ dense.abs().double().t()) + 1e-30
+            bound = 4e-5 * (x.abs().double() @ dense.abs().double().t()) + 1e-30
             problem = _differs(ops.gemv(version, weight, x), ops.gemv(generic, weight, x), bound)
             if problem:
                 return f"{kind.name}, {m} rows: {problem}"

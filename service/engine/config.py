@@ -93,7 +93,7 @@ class EngineConfig:
     cpu_isa: str = setting(
         "auto",
         "which version of the CPU kernels runs: auto (the best this CPU runs, or"
-        " $PAGECHAT_CPU_ISA where set) | generic | avx2 | avx512 | vnni (x86-64) | neon"
+        " $PAGECHAT_CPU_ISA where set) | generic | avx2 | avx512 | vnni | amx (x86-64) | neon"
         " (arm64). Each kernel is probed against the generic version at start-up and falls"
         " back alone if it disagrees; /v1/stats and the start-up log say which runs",
     )
@@ -298,7 +298,7 @@ WEIGHT_FORMATS: dict[str, torch.dtype] = {
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Every CPU kernel version of every architecture (dispatch.names() has this machine's).
-ALL_ISAS = ("generic", "avx2", "avx512", "vnni", "neon")
+ALL_ISAS = ("generic", "avx2", "avx512", "vnni", "amx", "neon")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -300,7 +300,10 @@ def test_the_gguf_is_served_as_stored_with_the_dequantized_models_logits(
             m.compute_logits(m(ids, torch.arange(len(ids)), ContiguousAttention(30)))
             for m in (smollm2.model, served.model)
         )
-    assert float((packed - dense).abs().max() / dense.abs().max()) < 1e-5
+    # fp32 rounding; the amx version's prompt products (three bf16 products, within 2^-16 of
+    # |x| |w|) moved these logits by 2.3e-5 on a Xeon with AMX
+    within = 1e-4 if served.model.kernels.chosen["gemv"] == "amx" else 1e-5
+    assert float((packed - dense).abs().max() / dense.abs().max()) < within
     top2 = dense.topk(2, dim=-1).values  # [S, 2]
     decided = top2[:, 0] - top2[:, 1] >= NEAR_TIE
     assert torch.equal(packed.argmax(-1)[decided], dense.argmax(-1)[decided])

@@ -162,7 +162,14 @@ def test_decode_steps_run_the_stack_and_match_the_layers_op_by_op(
     assert any(s.rows == 1 and s.context >= 64 and not s.chunk for s in seen)
     # The same fp32 arithmetic in another order (a 1% change in SiLU shows as 4e-2); a K or V
     # element one ulp from a 16-bit rounding boundary may round the other way (bf16: 2^-8).
-    assert max(s.rel for s in seen) < {"float32": 3e-4, "float16": 1e-3}.get(cache, 4e-3)
+    bound = {"float32": 3e-4, "float16": 1e-3}.get(cache, 4e-3)
+    kernels = engine.runner.model.kernels
+    if kernels is not None and kernels.chosen["gemv"] == "amx":
+        # The tile unit's products are within 2^-16 of |x| |w|, not of the sum: an fp32-sized
+        # change in an input can move a bf16 split, and this model's random K-type blocks
+        # nearly cancel (1.2e-3 after a 300-token prompt's chunks on a Xeon with AMX).
+        bound = 4e-3
+    assert max(s.rel for s in seen) < bound
     # The helper thread changes no bit, but where a lone row's context halves are merged.
     assert all(s.same_bits for s in seen if s.chunk or s.rows > 1 or s.context < 64)
 

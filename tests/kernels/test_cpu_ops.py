@@ -71,6 +71,31 @@ def test_the_product_is_an_fp32_dot_product_of_the_dequantized_weights(
     assert ((got.double() - want).abs() <= _fp32_bound(x, w)).all()
 
 
+AMX_BOUND = 2.0**-15  # three bf16 products: ~2^-16 of |x| |w| (quants.c), twice for margin
+
+
+@pytest.mark.parametrize("kind", list(WeightType))
+@pytest.mark.parametrize(("rows", "weights"), [(32, 40), (33, 16), (70, 37), (128, 8)])
+def test_products_of_many_rows_keep_within_their_versions_bound(
+    cpu: KernelSet, cpu_isa: str, kind: WeightType, rows: int, weights: int
+) -> None:
+    # From 32 rows the amx version goes through the tile unit: input rows past a 16-row tile
+    # and weight rows past a 16-row one are padding that must not show, and its bound is the
+    # split's (AMX_BOUND); every other version's tiles are fp32 dot products.
+    gen = torch.Generator().manual_seed(rows + weights + 100 * int(kind))
+    weight = random_blocks(kind, weights, _k(kind, 2), gen)
+    w = _gguf(weight)
+    x = torch.randn(rows, weight.k, generator=gen)
+    want = x.double() @ w.double().t()
+    for threads in (1, 2):
+        got = ops.gemv_threads(cpu, [weight], x, threads).double()
+        if cpu_isa == "amx":
+            bound = AMX_BOUND * (x.double().abs() @ w.double().abs().t()) + 1e-30
+        else:
+            bound = _fp32_bound(x, w)
+        assert ((got - want).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("kind", [WeightType.Q4_1, WeightType.Q6_K])
 def test_a_rows_product_is_the_same_at_up_to_four_rows(cpu: KernelSet, kind: WeightType) -> None:
     # One to four rows take the same sums whatever the split of the weight rows: a decoding

@@ -122,22 +122,25 @@ def _gguf(weight: Blocks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", list(WeightType))
-def test_the_harness_dequantizes_exactly_and_multiplies_in_fp32(run: Run, kind: WeightType) -> None:
+def test_the_harness_dequantizes_exactly_and_multiplies_in_fp32(
+    run: Run, target: tuple[list[str], str], kind: WeightType
+) -> None:
     gen = torch.Generator().manual_seed(int(kind))
     k = 512 if kind >= WeightType.Q4_K else 64
     weight = random_blocks(kind, 20, k, gen)
     want_w = _gguf(weight)
     (dense,) = run("dequant", int(kind), 20, k, weight.data, Out(torch.float32, (20, k)))
     assert torch.equal(dense, want_w)
-    # in registers, two rows at once, tiles of dequantized rows (a full one and a rest), and
-    # split with the helper thread
-    for rows, threads in ((1, 1), (2, 1), (5, 1), (11, 1), (3, 2)):
+    # in registers, two rows at once, tiles of dequantized rows (a full one and a rest), split
+    # with the helper thread, and steps of 32 rows and more (amx: the tile unit, its bound)
+    for rows, threads in ((1, 1), (2, 1), (5, 1), (11, 1), (3, 2), (40, 1), (33, 2)):
         x = torch.randn(rows, k, generator=gen)
         (y,) = run(
             "gemv", int(kind), rows, 20, k, threads, weight.data, x,
             Out(torch.float32, (rows, 20)),
         )  # fmt: skip
-        bound = k * 2.0**-24 * (x.double().abs() @ want_w.double().abs().t()) + 1e-30
+        per_term = 2.0**-15 if target[1] == "amx" and rows >= 32 else k * 2.0**-24
+        bound = per_term * (x.double().abs() @ want_w.double().abs().t()) + 1e-30
         assert ((y.double() - x.double() @ want_w.double().t()).abs() <= bound).all()
 
 

@@ -5,6 +5,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for an extended state component */
+#define XFEATURE_XTILEDATA 18      /* the AMX tile data */
+#endif
 #if defined(__aarch64__)
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMD
@@ -26,8 +32,17 @@ int64_t pc_cpu_runs(const char *isa) {
         return __builtin_cpu_supports("x86-64-v3") > 0;
     if (strcmp(isa, "avx512") == 0)
         return __builtin_cpu_supports("x86-64-v4") > 0;
+    const int vnni =
+        __builtin_cpu_supports("x86-64-v4") > 0 && __builtin_cpu_supports("avx512vnni") > 0;
     if (strcmp(isa, "vnni") == 0)
-        return __builtin_cpu_supports("x86-64-v4") > 0 && __builtin_cpu_supports("avx512vnni") > 0;
+        return vnni;
+    if (strcmp(isa, "amx") == 0) {
+        /* Linux hands out the tile registers' state only to a process that asks for it (once;
+           every thread then has it): no permission, no AMX, whatever cpuid says. */
+        return vnni && __builtin_cpu_supports("amx-tile") > 0 &&
+               __builtin_cpu_supports("amx-bf16") > 0 &&
+               syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
 #elif defined(__aarch64__)
     if (strcmp(isa, "neon") == 0) {
         const unsigned long caps = getauxval(AT_HWCAP);

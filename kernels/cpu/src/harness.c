@@ -54,7 +54,9 @@ DECLARE(generic)
 DECLARE(avx2)
 DECLARE(avx512)
 DECLARE(vnni)
-static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512), VERSION(vnni)};
+DECLARE(amx)
+static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512), VERSION(vnni),
+                                   VERSION(amx)};
 #endif
 #define VERSIONS ((int)(sizeof versions / sizeof versions[0]))
 
@@ -124,7 +126,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < VERSIONS; i++)
         if (strcmp(argv[1], versions[i].name) == 0)
             v = &versions[i];
-    if (v == NULL)
+    if (v == NULL || !pc_cpu_runs(v->name)) /* which also asks Linux for AMX's state */
         return 2;
     const char *op = argv[2];
     char **a = argv + 3;

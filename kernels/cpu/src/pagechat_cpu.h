@@ -1,7 +1,7 @@
 /* pagechat's CPU kernel layer: the types every source file and kernels/cpu's Python share.
 
    Each kernel is compiled once per instruction set into the same library (kernels/cpu/build.py):
-   kernels.c as pc_<kernel>_<isa> for isa in generic, avx2, avx512, vnni (x86-64) or generic,
+   kernels.c as pc_<kernel>_<isa> for isa in generic, avx2, avx512, vnni, amx (x86-64) or generic,
    neon (arm64). Which version runs is chosen when the process starts, kernel by kernel, from
    what the CPU can execute (features.c) and a probe of each version against the generic one
    (kernels/cpu/dispatch.py). stack.c, compiled once, runs a whole decode step through a

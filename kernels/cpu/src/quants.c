@@ -12,7 +12,8 @@
 
    A row's output is the same bits at one to four rows (GEMV_ROWS), whatever the call's
    split into weight rows; from five rows the tiles of dequantized rows compute it in another
-   order, within fp32 rounding of it. */
+   order, within fp32 rounding of it. The AMX version takes steps of 32 rows and more through
+   Intel's tile unit, fp32 as three bf16 products (within ~2^-16 of |x| |w|: see there). */
 #include <stdlib.h>
 
 #include "pagechat_cpu.h"
@@ -240,6 +241,149 @@ static row_fn row_kernel(int64_t type) {
     }
 }
 
+#if defined(PC_ISA_AMX)
+/* ---- AMX: steps of AMX_ROWS input rows and more ----------------------------------------- */
+/* Intel's tile unit multiplies bf16 pairs into fp32 sums, 16 x 16 outputs over 32 products
+   in one instruction. Each fp32 value v is taken as two bf16s, hi = bf16(v) and lo = bf16(v -
+   hi) (v to 16 of its 24 bits), and w x as wh xh + wh xl + wl xh: three tile products that
+   keep the sum within ~2^-16 of |w| |x| (the term dropped, wl xl, is under 2^-16 of it), where
+   one bf16 product would be 2^-8 off. The weights are the tiles' A side (16 rows of a weight,
+   row-major as dequantized), the inputs their B side (pairs of k interleaved, laid out once a
+   call), so a sum tile holds 16 outputs of 16 input rows, transposed on the way out. */
+#define AMX_ROWS 32
+
+/* the tile registers' shapes (palette 1): 0-3 sums (2 x 2 blocks of 16 weight rows by 16
+   input rows), 4-5 two blocks of weight rows, 6-7 two of input rows; each 16 rows of 64
+   bytes. Per 32 of k: 12 products over 10 loads, four sums independent of one another. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* v[0..count) as hi[i] + lo[i]: each rounded to the nearest bf16 (the inputs are finite),
+   in a loop the compiler vectorizes */
+static void split_bf16(const float *v, int64_t count, uint16_t *hi, uint16_t *lo) {
+    for (int64_t i = 0; i < count; i++) {
+        uint32_t u;
+        memcpy(&u, v + i, sizeof u);
+        const uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const float rest = v[i] - f32_from_bits(h << 16);
+        uint32_t r;
+        memcpy(&r, &rest, sizeof r);
+        hi[i] = (uint16_t)h;
+        lo[i] = (uint16_t)((r + 0x7fffu + ((r >> 16) & 1u)) >> 16);
+    }
+}
+
+/* The input rows as B tiles, each tile's 1 KB contiguous: 16 input rows x 32 of k, pairs of k
+   interleaved; tile (g, c / 32) of 16-row group g at (g * k / 32 + c / 32) * 512, element (r,
+   c) within it at [c % 32 / 2][r % 16][c % 2]: a 16 x 16 transpose of bf16 pairs from the
+   rows as split (`rows`, [m, k] hi then lo). Rows past m stay zero. */
+static void input_pairs(const uint16_t *rows, int64_t m, int64_t k, uint16_t *hi, uint16_t *lo) {
+    for (int half = 0; half < 2; half++) {
+        const uint32_t *src = (const uint32_t *)(rows + half * m * k);
+        uint32_t *dst = (uint32_t *)(half ? lo : hi);
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t p = 0; p < k / 2; p++)
+                dst[(r / 16 * (k / 32) + p / 16) * 256 + p % 16 * 16 + r % 16] = src[r * k / 2 + p];
+    }
+}
+
+/* 32 weight rows from j0 (cols of them real, the rest zero) as hi and lo bf16 rows [32, k] */
+static void weight_rows(row_fn row, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t j0,
+                        int64_t cols, float *w32, uint16_t *hi, uint16_t *lo) {
+    for (int64_t j = 0; j < cols; j++)
+        row(w + (j0 + j) * row_bytes, k, w32 + j * k);
+    memset(w32 + cols * k, 0, sizeof(float) * (size_t)((32 - cols) * k));
+    split_bf16(w32, 32 * k, hi, lo);
+}
+
+/* a stored sum tile (`sums`: 16 weight rows x 16 input rows) to y, transposed: input rows from
+   r0 (those under m), weight rows j0 to j0 + cols */
+static inline void store_sums(const float *sums, float *y, int64_t ldy, int64_t m, int64_t r0,
+                              int64_t j0, int64_t cols) {
+    for (int64_t r = 0; r < 16 && r0 + r < m; r++)
+        for (int64_t j = 0; j < cols; j++)
+            y[(r0 + r) * ldy + j0 + j] = sums[j * 16 + r];
+}
+
+static int64_t gemv_amx(row_fn row, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
+                        int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+    const int64_t padded = (m + 31) / 32 * 32; /* input rows in pairs of 16-row groups */
+    uint16_t *xs = calloc((size_t)(2 * padded * k + 2 * 32 * k + 2 * m * k), sizeof(uint16_t));
+    float *w32 = malloc(sizeof(float) * (size_t)(32 * k + 16 * 16));
+    if (xs == NULL || w32 == NULL) {
+        free(xs);
+        free(w32);
+        return PC_NO_MEMORY;
+    }
+    uint16_t *x_hi = xs, *x_lo = xs + padded * k;
+    uint16_t *w_hi = xs + 2 * padded * k, *w_lo = w_hi + 32 * k;
+    float *sums = w32 + 32 * k;
+    uint16_t *rows = w_lo + 32 * k; /* x split, row-major: hi [m, k] then lo */
+    split_bf16(x, m * k, rows, rows + m * k);
+    input_pairs(rows, m, k, x_hi, x_lo);
+    amx_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++)
+        config.bytes_per_row[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    const int64_t ws = k * (int64_t)sizeof(uint16_t);
+    for (int64_t j0 = n_begin; j0 < n_end; j0 += 32) {
+        const int64_t cols = n_end - j0 < 32 ? n_end - j0 : 32;
+        weight_rows(row, w, row_bytes, k, j0, cols, w32, w_hi, w_lo);
+        const uint16_t *wh0 = w_hi, *wh1 = w_hi + 16 * k, *wl0 = w_lo, *wl1 = w_lo + 16 * k;
+        for (int64_t r0 = 0; r0 < padded; r0 += 32) {
+            _tile_zero(0); /* weights 0-15 x inputs 0-15 */
+            _tile_zero(1); /* weights 0-15 x inputs 16-31 */
+            _tile_zero(2); /* weights 16-31 x inputs 0-15 */
+            _tile_zero(3); /* weights 16-31 x inputs 16-31 */
+            for (int64_t c = 0; c < k; c += 32) {
+                const int64_t at = (r0 / 16 * (k / 32) + c / 32) * 512; /* group r0 */
+                const int64_t next = at + k / 32 * 512;                 /* group r0 + 16 */
+                _tile_loadd(4, wh0 + c, ws);
+                _tile_loadd(5, wh1 + c, ws);
+                _tile_loadd(6, x_hi + at, 64);
+                _tile_loadd(7, x_hi + next, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_loadd(6, x_lo + at, 64);
+                _tile_loadd(7, x_lo + next, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_loadd(4, wl0 + c, ws);
+                _tile_loadd(5, wl1 + c, ws);
+                _tile_loadd(6, x_hi + at, 64);
+                _tile_loadd(7, x_hi + next, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            const int64_t low = cols < 16 ? cols : 16, high = cols - low;
+            _tile_stored(0, sums, 64);
+            store_sums(sums, y, ldy, m, r0, j0, low);
+            _tile_stored(1, sums, 64);
+            store_sums(sums, y, ldy, m, r0 + 16, j0, low);
+            if (high > 0) {
+                _tile_stored(2, sums, 64);
+                store_sums(sums, y, ldy, m, r0, j0 + 16, high);
+                _tile_stored(3, sums, 64);
+                store_sums(sums, y, ldy, m, r0 + 16, j0 + 16, high);
+            }
+        }
+    }
+    _tile_release();
+    free(xs);
+    free(w32);
+    return PC_OK;
+}
+#endif
+
 /* ---- entry points ---------------------------------------------------------------------- */
 
 /* y[r * ldy + j] = sum_c x[r * k + c] w[j, c] for input rows r < m and weight rows j in
@@ -250,6 +394,10 @@ int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const flo
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK; /* nothing to compute (a step with no sample) */
+#if defined(PC_ISA_AMX)
+    if (m >= AMX_ROWS && row_kernel(type) != NULL)
+        return gemv_amx(row_kernel(type), w, row_bytes, x, m, k, y, ldy, n_begin, n_end);
+#endif
     /* tiles above GEMV_ROWS rows take TILE_J dequantized rows, fewer rows their inputs'
        sums over each sub-block */
     const int64_t floats = m > GEMV_ROWS ? TILE_J * k : m * (k / 32);

@@ -8,6 +8,8 @@
      PC_ISA_AVX2     x86-64-v3: AVX2, FMA, F16C
      PC_ISA_AVX512   x86-64-v4: AVX512 F/BW/DQ/VL
      PC_ISA_VNNI     x86-64-v4 with AVX512-VNNI
+     PC_ISA_AMX      the VNNI version with Intel's tile unit (AMX-TILE, AMX-BF16) for
+                     products of many rows (quants.c)
      PC_ISA_NEON     arm64 with NEON and the dot-product instructions (armv8.2-a+dotprod)
    and PC_ISA, the suffix of every exported name (pc_gemv_avx2). */
 #ifndef PAGECHAT_SIMD_H
@@ -22,6 +24,9 @@
 /* pc_<name>_<isa>: each version's exported name */
 #define PC_FN(name) PC_CAT(PC_CAT(pc_, name), PC_CAT(_, PC_ISA))
 
+#if defined(PC_ISA_AMX)
+#define PC_ISA_VNNI 1
+#endif
 #if defined(PC_ISA_VNNI)
 #define PC_ISA_AVX512 1
 #endif
