@@ -308,6 +308,16 @@ static inline void store_sums(const float *sums, float *y, int64_t ldy, int64_t 
             y[(r0 + r) * ldy + j0 + j] = sums[j * 16 + r];
 }
 
+/* the 2 x 2 sums: tile 0 weights 0-15 x inputs 0-15, 1 weights 0-15 x inputs 16-31, 2 weights
+   16-31 x inputs 0-15, 3 weights 16-31 x inputs 16-31 (tile numbers are immediates) */
+#define AMX_SUMS()                                                                                 \
+    do {                                                                                           \
+        _tile_dpbf16ps(0, 4, 6);                                                                   \
+        _tile_dpbf16ps(1, 4, 7);                                                                   \
+        _tile_dpbf16ps(2, 5, 6);                                                                   \
+        _tile_dpbf16ps(3, 5, 7);                                                                   \
+    } while (0)
+
 static int64_t gemv_amx(row_fn row, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                         int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     const int64_t padded = (m + 31) / 32 * 32; /* input rows in pairs of 16-row groups */
@@ -334,10 +344,10 @@ static int64_t gemv_amx(row_fn row, const uint8_t *w, int64_t row_bytes, const f
         weight_rows(row, w, row_bytes, k, j0, cols, w32, w_hi, w_lo);
         const uint16_t *wh0 = w_hi, *wh1 = w_hi + 16 * k, *wl0 = w_lo, *wl1 = w_lo + 16 * k;
         for (int64_t r0 = 0; r0 < padded; r0 += 32) {
-            _tile_zero(0); /* weights 0-15 x inputs 0-15 */
-            _tile_zero(1); /* weights 0-15 x inputs 16-31 */
-            _tile_zero(2); /* weights 16-31 x inputs 0-15 */
-            _tile_zero(3); /* weights 16-31 x inputs 16-31 */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t c = 0; c < k; c += 32) {
                 const int64_t at = (r0 / 16 * (k / 32) + c / 32) * 512; /* group r0 */
                 const int64_t next = at + k / 32 * 512;                 /* group r0 + 16 */
@@ -345,24 +355,15 @@ static int64_t gemv_amx(row_fn row, const uint8_t *w, int64_t row_bytes, const f
                 _tile_loadd(5, wh1 + c, ws);
                 _tile_loadd(6, x_hi + at, 64);
                 _tile_loadd(7, x_hi + next, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                AMX_SUMS(); /* wh xh */
                 _tile_loadd(6, x_lo + at, 64);
                 _tile_loadd(7, x_lo + next, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                AMX_SUMS(); /* wh xl */
                 _tile_loadd(4, wl0 + c, ws);
                 _tile_loadd(5, wl1 + c, ws);
                 _tile_loadd(6, x_hi + at, 64);
                 _tile_loadd(7, x_hi + next, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                AMX_SUMS(); /* wl xh */
             }
             const int64_t low = cols < 16 ? cols : 16, high = cols - low;
             _tile_stored(0, sums, 64);
