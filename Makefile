@@ -51,8 +51,9 @@ llama-server:
 bench-peers: setup
 	$(PY) -m benchmarks.peers --json results/peers.json --markdown results/peers.md $(ARGS)
 
-# Perplexity per weight format (fp32 bf16 int8 int4) over benchmarks/data/alice-ch1-2.txt,
-# against the dequantized fp32 model (5-8 minutes on the shared 2 cores). JSON to results/.
+# Perplexity per weight format (fp32, bf16, the stored blocks, gguf's requantizations) and CPU
+# kernel version over benchmarks/data/alice-ch1-2.txt, each against its own dequantized fp32
+# model (the whole text: ~40 minutes on 2 cores; ARGS="--max-tokens 1536": ~10). JSON to results/.
 bench-perplexity: setup
 	$(PY) -m benchmarks.perplexity --json results/perplexity.json $(ARGS)
 
