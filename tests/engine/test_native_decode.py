@@ -163,6 +163,11 @@ def test_decode_steps_run_the_stack_and_match_the_layers_op_by_op(
     # The same fp32 arithmetic in another order (a 1% change in SiLU shows as 4e-2); a K or V
     # element one ulp from a 16-bit rounding boundary may round the other way (bf16: 2^-8).
     bound = {"float32": 3e-4, "float16": 1e-3}.get(cache, 4e-3)
+    if model == "mixed_types":
+        # Its random K-type blocks' scales and mins nearly cancel, so its hidden states amplify
+        # an input's fp32 rounding (the prompt's attention is torch's flash kernel op by op,
+        # the stack's own in the stack): 2e-4 to 4.4e-4 with an fp32 cache across versions.
+        bound = max(bound, 1e-3)
     kernels = engine.runner.model.kernels
     if kernels is not None and kernels.chosen["gemv"] == "amx":
         # The tile unit's products are within 2^-16 of |x| |w|, not of the sum: an fp32-sized
