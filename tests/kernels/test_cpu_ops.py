@@ -97,6 +97,25 @@ def test_products_of_many_rows_keep_within_their_versions_bound(
 
 
 @pytest.mark.parametrize("kind", [WeightType.Q4_1, WeightType.Q6_K])
+def test_inputs_past_a_megabyte_pass_in_blocks_that_change_no_bit(
+    cpu: KernelSet, cpu_isa: str, kind: WeightType
+) -> None:
+    # 70 rows of 4,096 (1.1 MB): two passes of 35 rows over the weights (quants.c INPUT_BYTES),
+    # each what a call with those 35 rows alone computes.
+    gen = torch.Generator().manual_seed(9)
+    weight = random_blocks(kind, 20, 4096, gen)
+    x = torch.randn(70, 4096, generator=gen)
+    whole = ops.gemv(cpu, weight, x)
+    assert torch.equal(
+        whole, torch.cat([ops.gemv(cpu, weight, x[:35]), ops.gemv(cpu, weight, x[35:])])
+    )
+    w = _gguf(weight).double()
+    per_term = AMX_BOUND if cpu_isa == "amx" else 4096 * 2.0**-24
+    bound = per_term * (x.double().abs() @ w.abs().t()) + 1e-30
+    assert ((whole.double() - x.double() @ w.t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", [WeightType.Q4_1, WeightType.Q6_K])
 def test_a_rows_product_is_the_same_at_up_to_four_rows(cpu: KernelSet, kind: WeightType) -> None:
     # One to four rows take the same sums whatever the split of the weight rows: a decoding
     # sequence's logits are the same bits beside up to three others. More rows go through
