@@ -25,6 +25,13 @@ static inline __attribute__((always_inline)) vf load_kv(const void *cache, int64
     return vf_load((const float *)cache + at);
 }
 
+/* Query heads from h0 taken together: up to HEADS_TOGETHER, within h0's group (a KV head's
+   query heads are consecutive) */
+static inline int64_t heads_together(int64_t h0, int64_t group) {
+    const int64_t in_group = group - h0 % group;
+    return in_group < HEADS_TOGETHER ? in_group : HEADS_TOGETHER;
+}
+
 /* The largest and the sum of s[0..len), len >= 1, each over LANES interleaved partial results
    combined in one fixed order: lanes the compiler vectorizes (a single running value is one
    dependent chain the compiler may not reorder), and the same sums in every version. */
@@ -70,10 +77,8 @@ static inline __attribute__((always_inline)) void attend_one(const pc_attention 
     const int64_t hq = a->hq, hkv = a->hkv, d = a->d, group = hq / hkv;
     float *scores = a->scores; /* [hq, len] */
     for (int64_t c = 0; c < len; c++) {
-        for (int64_t h0 = 0; h0 < hq; h0 += HEADS_TOGETHER) {
-            /* heads h0.. of one KV head: a group's heads are consecutive */
-            const int64_t in_group = group - h0 % group;
-            const int64_t heads = in_group < HEADS_TOGETHER ? in_group : HEADS_TOGETHER;
+        for (int64_t h0 = 0, heads; h0 < hq; h0 += heads) {
+            heads = heads_together(h0, group);
             const int64_t k_at = ctx[c] * hkv * d + h0 / group * d;
             vf acc[HEADS_TOGETHER];
             for (int j = 0; j < HEADS_TOGETHER; j++)
@@ -87,7 +92,6 @@ static inline __attribute__((always_inline)) void attend_one(const pc_attention 
             for (int j = 0; j < HEADS_TOGETHER; j++)
                 if (j < heads)
                     scores[(h0 + j) * len + c] = a->scale * vf_sum(acc[j]);
-            h0 += heads - HEADS_TOGETHER; /* a group's last heads end the step early */
         }
     }
     for (int64_t h = 0; h < hq; h++) {
@@ -102,9 +106,8 @@ static inline __attribute__((always_inline)) void attend_one(const pc_attention 
         for (int64_t c = 0; c < len; c++)
             s[c] *= inv;
     }
-    for (int64_t h0 = 0; h0 < hq; h0 += HEADS_TOGETHER) {
-        const int64_t in_group = group - h0 % group;
-        const int64_t heads = in_group < HEADS_TOGETHER ? in_group : HEADS_TOGETHER;
+    for (int64_t h0 = 0, heads; h0 < hq; h0 += heads) {
+        heads = heads_together(h0, group);
         const int64_t head = h0 / group * d;
         for (int64_t i0 = 0; i0 < d; i0 += V_VECTORS * VF_W) {
             const int64_t vectors = d - i0 < V_VECTORS * VF_W ? (d - i0) / VF_W : V_VECTORS;
@@ -129,7 +132,6 @@ static inline __attribute__((always_inline)) void attend_one(const pc_attention 
                     if (j < heads && v < vectors)
                         vf_store(out + (h0 + j) * d + i0 + v * VF_W, acc[j][v]);
         }
-        h0 += heads - HEADS_TOGETHER;
     }
 }
 

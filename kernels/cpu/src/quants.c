@@ -191,15 +191,11 @@ static int64_t input_block(int64_t m, int64_t k) {
                          int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end,         \
                          float *buf) {                                                             \
         if (m > GEMV_ROWS) {                                                                       \
-            const int64_t block = input_block(m, k);                                               \
-            for (int64_t r = 0; r < m; r += block) {                                               \
-                const int64_t rows_x = m - r < block ? m - r : block;                              \
-                for (int64_t j = n_begin; j < n_end; j += TILE_J) {                                \
-                    const int rows = n_end - j < TILE_J ? (int)(n_end - j) : TILE_J;               \
-                    for (int i = 0; i < rows; i++)                                                 \
-                        row_##T(w + (j + i) * row_bytes, k, buf + i * k);                          \
-                    dense_block(buf, rows, x + r * k, rows_x, k, y + r * ldy + j, ldy);            \
-                }                                                                                  \
+            for (int64_t j = n_begin; j < n_end; j += TILE_J) {                                    \
+                const int rows = n_end - j < TILE_J ? (int)(n_end - j) : TILE_J;                   \
+                for (int i = 0; i < rows; i++)                                                     \
+                    row_##T(w + (j + i) * row_bytes, k, buf + i * k);                              \
+                dense_block(buf, rows, x, m, k, y + j, ldy);                                       \
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
@@ -279,18 +275,17 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* v[0..count) as hi[i] + lo[i]: each rounded to the nearest bf16 (the inputs are finite),
-   in a loop the compiler vectorizes */
+/* v[0..count) as hi[i] + lo[i], each rounded to the nearest bf16: simd.h's f32_to_bf16 without
+   its NaN case (the inputs are finite), so that the loop vectorizes */
+static inline uint16_t bf16_of_finite(float f) {
+    const uint32_t u = bits_from_f32(f);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 static void split_bf16(const float *v, int64_t count, uint16_t *hi, uint16_t *lo) {
     for (int64_t i = 0; i < count; i++) {
-        uint32_t u;
-        memcpy(&u, v + i, sizeof u);
-        const uint32_t h = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        const float rest = v[i] - f32_from_bits(h << 16);
-        uint32_t r;
-        memcpy(&r, &rest, sizeof r);
-        hi[i] = (uint16_t)h;
-        lo[i] = (uint16_t)((r + 0x7fffu + ((r >> 16) & 1u)) >> 16);
+        hi[i] = bf16_of_finite(v[i]);
+        lo[i] = bf16_of_finite(v[i] - bf16_to_f32(hi[i]));
     }
 }
 
@@ -413,19 +408,20 @@ int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const flo
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK; /* nothing to compute (a step with no sample) */
-#if defined(PC_ISA_AMX)
-    if (m >= AMX_ROWS && row_kernel(type) != NULL) {
-        /* the split inputs take as many bytes as fp32's: the same blocks of them */
-        const int64_t block = input_block(m, k);
+    const int64_t block = m > GEMV_ROWS ? input_block(m, k) : m;
+    if (block < m) { /* each block a product of its own (the amx path's split inputs too) */
         for (int64_t r = 0; r < m; r += block) {
             const int64_t rows = m - r < block ? m - r : block;
-            const int64_t status = gemv_amx(row_kernel(type), w, row_bytes, x + r * k, rows, k,
-                                            y + r * ldy, ldy, n_begin, n_end);
+            const int64_t status = PC_FN(gemv)(type, w, row_bytes, x + r * k, rows, k, y + r * ldy,
+                                               ldy, n_begin, n_end);
             if (status != PC_OK)
                 return status;
         }
         return PC_OK;
     }
+#if defined(PC_ISA_AMX)
+    if (m >= AMX_ROWS && row_kernel(type) != NULL)
+        return gemv_amx(row_kernel(type), w, row_bytes, x, m, k, y, ldy, n_begin, n_end);
 #endif
     /* tiles above GEMV_ROWS rows take TILE_J dequantized rows, fewer rows their inputs'
        sums over each sub-block */
