@@ -56,12 +56,13 @@ from service.engine.cuda_graphs import (
     StepRunner,
     graph_batch_sizes,
 )
-from service.engine.engine import LLMEngine, StepTiming
+from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
 from service.engine.model import Linear, LlamaModel
 from service.engine.params import SamplingParams
 from service.engine.quant import QuantLinear
 from service.engine.scheduler import StepBatch
+from service.engine.values import StepTiming
 
 
 class MatmulClock:

@@ -15,26 +15,26 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from service.engine.blocks import (
+from service.engine.blocks import hash_blocks
+from service.engine.params import SamplingParams
+from service.engine.tokenizer import Tokenizer
+from service.engine.values import (
     BlockStats,
     CacheScope,
-    KVInvariantError,
-    PoolUsage,
-    Tier,
-    hash_blocks,
-)
-from service.engine.engine import (
+    EngineDeadError,
+    EngineLimits,
+    EnginePrecision,
     EngineStats,
+    FinishReason,
+    KVInvariantError,
     KVPages,
     KVSnapshot,
+    PoolUsage,
     RequestError,
     RequestOutput,
     StepTiming,
+    Tier,
 )
-from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason
-from service.engine.serving import EngineDeadError, EngineLimits, EnginePrecision
-from service.engine.tokenizer import Tokenizer
 from tests.tiny_model import gguf_tokenizer
 
 ANSWER = "Hello there!"

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from service import cli
-from service.engine.engine import LLMEngine, RequestOutput
+from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 from service.engine.tokenizer import Tokenizer
+from service.engine.values import RequestOutput
 from service.sessions.prompt import ChatFormat
 from tests.tiny_model import gguf_tokenizer, make_tiny_llama
 

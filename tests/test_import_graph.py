@@ -1,5 +1,6 @@
-"""Import-graph seams: the wire protocol stands alone; the clients speak it without the server;
-no two modules of the service import each other, however indirectly.
+"""Import-graph seams: the wire protocol stands alone; the clients and the load tests speak it
+without the server; the service's transports and sessions see the engine through its seam
+only; no two modules of the service import each other, however indirectly.
 
 Read from the source with an ast walk (imports under `TYPE_CHECKING` and inside functions
 count too), so a seam broken in any module fails here, not when someone ships a client.
@@ -99,6 +100,51 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_clients_do_not_import_the_server(path: Path) -> None:
     server = {name for name in imported_modules(path) if top_level(name) == "service"}
     assert not server, f"{path.relative_to(ROOT)} imports {sorted(server)}"
+
+
+@pytest.mark.parametrize("path", modules_under("loadtest"), ids=lambda p: p.name)
+def test_load_tests_do_not_import_the_server(path: Path) -> None:
+    server = {name for name in imported_modules(path) if top_level(name) == "service"}
+    assert not server, f"{path.relative_to(ROOT)} imports {sorted(server)}"
+
+
+# What the transports and the sessions may import of the engine: its values, its interface and
+# the sampling parameters a request carries. The engine's machinery (blocks, scheduler, runner,
+# model, loader) is built and wired by the process alone (`service/server/`).
+ENGINE_SEAM = {"service.engine.values", "service.engine.serving", "service.engine.params"}
+
+
+def engine_imports(path: Path) -> set[str]:
+    """The modules of service/engine (and of the engine's third tier) `path` imports."""
+    graph = import_graph("service")
+    return {
+        m for m in graph[module_name(path)] if m.startswith(("service.engine.", "service.kvtier"))
+    }
+
+
+@pytest.mark.parametrize(
+    "path", modules_under("service/api") + modules_under("service/sessions"), ids=module_name
+)
+def test_the_service_sees_the_engine_only_through_its_seam(path: Path) -> None:
+    beyond = engine_imports(path) - ENGINE_SEAM
+    assert not beyond, f"{path.relative_to(ROOT)} imports engine internals {sorted(beyond)}"
+
+
+@pytest.mark.parametrize("path", modules_under("service/engine"), ids=module_name)
+def test_the_engine_imports_nothing_of_the_service_around_it(path: Path) -> None:
+    outer = {
+        name
+        for name in imported_modules(path)
+        if name.startswith(("service.api", "service.sessions", "service.server"))
+    }
+    assert not outer, f"{path.relative_to(ROOT)} imports {sorted(outer)}"
+
+
+def test_the_engine_values_are_a_leaf() -> None:
+    path = ROOT / "service/engine/values.py"
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "__future__"}
+    outside = {name for name in imported_modules(path) if top_level(name) not in allowed}
+    assert not outside, f"service/engine/values.py imports {sorted(outside)}"
 
 
 @pytest.mark.parametrize("path", modules_under("protocol"), ids=lambda p: p.name)

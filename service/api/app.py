@@ -25,7 +25,7 @@ from service.api.connection import ChatConnection
 from service.api.guard import Guard
 from service.api.openai import ChatCompletions, http_error
 from service.api.service import ChatService
-from service.engine.serving import EngineDeadError
+from service.engine.values import EngineDeadError
 
 _json = msgspec.json.Encoder()
 WEB = Path(__file__).with_name("web")

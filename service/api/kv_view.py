@@ -13,9 +13,7 @@ import hashlib
 import msgspec
 
 from service.api.stats import TierStats, tier_stats
-from service.engine.blocks import SlotState, Tier
-from service.engine.engine import KVSnapshot
-from service.kvtier.tier import KVTierStats
+from service.engine.values import KVSnapshot, KVTierStats, SlotState, Tier
 
 SLOT_CHARS = {
     SlotState.FREE: ".",

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 
 from service.api.metrics import Metrics
-from service.engine.engine import RequestOutput
+from service.engine.values import RequestOutput
 
 
 class AnswerMeter:

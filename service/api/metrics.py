@@ -24,9 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.engine.engine import EngineStats
-from service.engine.serving import EnginePrecision
-from service.kvtier.tier import KVTierStats
+from service.engine.values import EnginePrecision, EngineStats, KVTierStats
 
 _LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,

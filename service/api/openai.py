@@ -43,8 +43,8 @@ from service.api.openai_request import (
     sampling_params,
 )
 from service.api.sse import EventStream, until_disconnected
-from service.engine.blocks import CacheScope
 from service.engine.params import SamplingParams
+from service.engine.values import CacheScope
 
 if TYPE_CHECKING:
     from service.api.service import ChatService

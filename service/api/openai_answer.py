@@ -16,11 +16,14 @@ from service.api.meter import AnswerMeter
 from service.api.openai_completions import CompletionRequest
 from service.api.openai_errors import OpenAIError, invalid
 from service.api.openai_request import ChatCompletionRequest, StreamOptions
-from service.engine.blocks import CacheScope
-from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason
-from service.engine.serving import EngineDeadError
+from service.engine.values import (
+    CacheScope,
+    EngineDeadError,
+    FinishReason,
+    RequestError,
+    RequestOutput,
+)
 
 if TYPE_CHECKING:
     from service.api.service import ChatService

@@ -20,7 +20,7 @@ from service.api.openai_errors import (
 from service.api.openai_params import engine_params, refuse_penalties
 from service.api.openai_request import StreamOptions
 from service.engine.params import SamplingParams
-from service.engine.tokenizer import Tokenizer
+from service.engine.values import TextTokenizer
 
 # OpenAI's and vLLM's default for a text completion, far below a chat answer's.
 DEFAULT_MAX_TOKENS = 16
@@ -86,7 +86,7 @@ def decode_completion_request(body: bytes, served: tuple[str, ...]) -> Completio
 
 
 def completion_prompt(
-    req: CompletionRequest, tokenizer: Tokenizer, limits: Limits, max_model_len: int
+    req: CompletionRequest, tokenizer: TextTokenizer, limits: Limits, max_model_len: int
 ) -> list[int]:
     """The prompt's token ids: a string tokenized as plain text, or the ids as given."""
     prompt: str | int | list[str | int | list[int]] | list[int] = req.prompt

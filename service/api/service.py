@@ -19,10 +19,10 @@ from service.api.loop_lag import LoopLagMonitor
 from service.api.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
 from service.engine.async_engine import AsyncEngine
-from service.engine.blocks import KVInvariantError
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
 from service.engine.serving import ServingEngine
+from service.engine.values import KVInvariantError
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.prompt import ChatFormat
 from service.sessions.redis_server import EmbeddedRedis, connect

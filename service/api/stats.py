@@ -6,8 +6,7 @@ import msgspec
 
 from service.api.loop_lag import LagSummary
 from service.api.service import ChatService
-from service.engine.blocks import PoolUsage
-from service.kvtier.tier import KVTierStats
+from service.engine.values import KVTierStats, PoolUsage
 
 
 class Pool(msgspec.Struct, kw_only=True):

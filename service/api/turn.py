@@ -32,11 +32,10 @@ from service.api.auth import cache_salt_for
 from service.api.meter import AnswerMeter
 from service.api.metrics import Metrics
 from service.api.sender import ClientGone
-from service.engine.blocks import CacheScope
-from service.engine.engine import RequestError, RequestOutput
 from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason as EngineFinishReason
-from service.engine.serving import EngineDeadError, ServingEngine
+from service.engine.serving import ServingEngine
+from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput
+from service.engine.values import FinishReason as EngineFinishReason
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.store import (

@@ -28,19 +28,21 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from service.engine.blocks import CacheScope
 from service.engine.config import dtype_name
-from service.engine.engine import (
+from service.engine.engine import LLMEngine
+from service.engine.params import SamplingParams
+from service.engine.tokenizer import Tokenizer
+from service.engine.values import (
+    CacheScope,
+    EngineDeadError,
+    EngineLimits,
+    EnginePrecision,
     EngineStats,
     KVPages,
     KVSnapshot,
-    LLMEngine,
     RequestError,
     RequestOutput,
 )
-from service.engine.params import SamplingParams
-from service.engine.serving import EngineDeadError, EngineLimits, EnginePrecision
-from service.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

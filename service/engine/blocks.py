@@ -47,12 +47,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-
-
-class Tier(enum.Enum):
-    DEVICE = "device"
-    CPU = "cpu"
+from service.engine.values import (
+    BlockStats,
+    CacheScope,
+    KVInvariantError,
+    PoolUsage,
+    SlotState,
+    Tier,
+)
 
 
 class OpKind(enum.Enum):
@@ -113,42 +115,6 @@ class PrefixHit:
         return self.num_cpu_blocks * self.block_size
 
 
-@dataclass(slots=True)
-class PoolUsage:
-    total: int
-    free: int
-    cached: int
-    in_use: int
-
-
-class SlotState(enum.IntEnum):
-    """What one physical slot holds, for page-map views (`BlockManager.slot_states`)."""
-
-    FREE = 0
-    IN_USE = 1  # in one sequence's block table
-    SHARED = 2  # in several tables: a shared prefix or forked samples (copy-on-write)
-    CACHED = 3  # no holder; kept under its content hash for a later prefix hit
-
-
-@dataclass(slots=True)
-class BlockStats:
-    device: PoolUsage
-    cpu: PoolUsage
-    prefix_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_hits: int  # of which found on the device
-    prefix_cpu_hits: int  # of which found in the CPU pool and swapped back in
-    prefix_tier_hits: int  # of which loaded from the third tier
-    blocks_swapped_out: int
-    blocks_swapped_in: int
-    blocks_copied: int  # copy-on-write
-    blocks_dropped: int  # cached content lost for lack of room
-
-
-class KVInvariantError(RuntimeError):
-    """The pools' accounting is off: a block leaked, is in two places, or its ref count is
-    not its holders'. A bug, never a client's doing."""
-
-
 def _check(holds: bool, what: str) -> None:
     if not holds:
         raise KVInvariantError(what)
@@ -169,41 +135,6 @@ def hash_block(parent: int | None, token_ids: Iterable[int], namespace: str) -> 
     h.update(len(tokens).to_bytes(4, "little") + tokens.tobytes())
     h.update(len(ns).to_bytes(4, "little") + ns)
     return int.from_bytes(h.digest(), "little")
-
-
-class CacheScope(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Who may find a request's blocks in the prefix cache.
-
-    NOTE (cache scopes): a prompt that hits the cache reveals, through `cached_tokens` and
-    time to first token, that someone computed the same tokens before; so a block is shared
-    only among those allowed to learn that. Block i (tokens [i*bs, (i+1)*bs)) is hashed in
-      the engine's namespace         with no scope, or a shared block of salt "";
-      namespace + salt               a shared block: `private` is None, or the block lies
-                                     wholly inside the first `shared_tokens` tokens;
-      namespace + salt + private     any other block.
-    Requests with different salts (tenants) share nothing. Within a salt, sessions (`private`
-    ids) share only the blocks wholly inside the shared part (the chat template's fixed
-    prefix and the system prompt): a block reaching one token past it holds K/V of that
-    token, so it is private. What a shared hit tells a session is that someone in its salt
-    used the same system prompt. `None` and `CacheScope()` hash as before scopes existed, so
-    page maps stored earlier stay valid, and a default-salt scope's shared blocks are the
-    ones unscoped requests find.
-    The chain is unchanged: a block's hash covers its parent's, so it names every token before
-    it whatever namespaces they were hashed in; a namespace narrows who can find a block, never
-    what its K/V hold. Two sessions sending the same message compute and keep it twice.
-    Salt and id are length-prefixed after tags, so no (salt, private) pair spells another's
-    or the engine's own namespace.
-    """
-
-    salt: str = ""  # tenant (API key, cache_salt): different salts share nothing
-    private: str | None = None  # e.g. a session id: blocks past `shared_tokens` are its own
-    shared_tokens: int = 0  # leading prompt tokens that may be shared within the salt
-
-    def __post_init__(self) -> None:
-        if self.shared_tokens < 0:
-            raise ValueError("shared_tokens must be >= 0")
-        if self.private == "":
-            raise ValueError("private must be a non-empty id, or None to share everything")
 
 
 def block_namespace(

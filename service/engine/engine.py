@@ -14,16 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.backend import get_backend
-from service.engine.blocks import (
-    AllocationMode,
-    BlockManager,
-    BlockStats,
-    CacheScope,
-    KVInvariantError,
-    SlotState,
-    Tier,
-    hash_blocks,
-)
+from service.engine.blocks import AllocationMode, BlockManager, hash_blocks
 from service.engine.config import EngineConfig
 from service.engine.cuda_graphs import StepRunner, make_step_runner
 from service.engine.host_memory import release_freed, tune_allocator
@@ -32,108 +23,25 @@ from service.engine.params import SamplingParams
 from service.engine.runner import ModelRunner
 from service.engine.sampler import Sampler, SamplingRow
 from service.engine.scheduler import Scheduler
-from service.engine.sequence import FinishReason, Sequence, SequenceStatus
+from service.engine.sequence import Sequence, SequenceStatus
 from service.engine.stop import StopChecker
+from service.engine.values import (
+    CacheScope,
+    EngineStats,
+    FinishReason,
+    KVInvariantError,
+    KVPages,
+    KVSnapshot,
+    RequestError,
+    RequestOutput,
+    SequencePages,
+    StepTiming,
+    Tier,
+)
 from service.kvtier.record import BlockLayout
-from service.kvtier.tier import KVTier, KVTierStats
+from service.kvtier.tier import KVTier
 
 LOAD_POLL_S = 0.05  # an engine waiting only on tier loads still takes commands this often
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (too long, duplicate id, ...)."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one sample of a request."""
-
-    request_id: str
-    index: int  # sample index, 0..n-1
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    logprobs: list[list[tuple[int, float]]] | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens found in the device prefix cache
-    num_swapped_in_tokens: int  # prompt tokens brought back from the CPU pool
-    num_loaded_tokens: int  # prompt tokens loaded from the third tier (service/kvtier)
-    num_output_tokens: int
-    # When the request was first admitted (time.monotonic()); queue time ends here.
-    first_scheduled_time: float | None = None
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """Seconds spent per phase of `step`, summed since the engine started.
-
-    Only `forward` is model work; the rest is the engine's own overhead.
-    """
-
-    schedule: float = 0.0
-    prepare: float = 0.0  # block moves, input tensors, attention plan
-    forward: float = 0.0
-    sample: float = 0.0
-    postprocess: float = 0.0  # detokenize, stop checks, free finished sequences
-
-    @property
-    def total(self) -> float:
-        return self.schedule + self.prepare + self.forward + self.sample + self.postprocess
-
-    @property
-    def overhead_share(self) -> float:
-        return 1.0 - self.forward / self.total if self.total else 0.0
-
-
-@dataclass(slots=True)
-class EngineStats:
-    blocks: BlockStats
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    preemptions_swap: int
-    preemptions_recompute: int
-    steps: int
-    # Every answered request's prompt, once, cached or not (vLLM's prompt_tokens); not those
-    # of prefill-only requests (max_tokens 0), which only fill the cache.
-    prompt_tokens: int
-    prompt_tokens_computed: int
-    tokens_generated: int
-    timing: StepTiming
-    kv_tier: KVTierStats | None = None  # None: no third tier
-
-
-@dataclass(slots=True, frozen=True)
-class SequencePages:
-    """One live sequence's block table: (tier, slot) of each of its blocks, in order."""
-
-    request_id: str
-    sample_index: int
-    status: str  # waiting, running or swapped
-    num_tokens: int
-    num_computed_tokens: int
-    blocks: list[tuple[Tier, int]]
-
-
-@dataclass(slots=True, frozen=True)
-class KVSnapshot:
-    """Who holds which KV slot right now: both tiers slot by slot, and the live tables."""
-
-    block_size: int
-    device: list[SlotState]
-    cpu: list[SlotState]
-    sequences: list[SequencePages]
-    num_sequences: int  # live sequences in all; `sequences` may list only the first ones
-
-
-@dataclass(slots=True, frozen=True)
-class KVPages:
-    """Where a token sequence's KV pages are now: each full block's chain hash, in order, and
-    the tier holding that block (None: in no pool; a later prefill computes it again)."""
-
-    block_hashes: list[int]
-    tiers: list[Tier | None]
 
 
 @dataclass(slots=True)

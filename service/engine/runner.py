@@ -18,9 +18,10 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
-from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind, Tier
+from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind
 from service.engine.model import LlamaModel, ModelArgs
 from service.engine.scheduler import StepBatch
+from service.engine.values import Tier
 
 if TYPE_CHECKING:
     from service.kvtier.tier import KVTier, LoadedRun
@@ -268,9 +269,9 @@ class ModelRunner:
 # The most rows a step runs through the native stack (a prefill chunk's tokens count each):
 # it beat the op-by-op path at every size tried (docs/perf.md); the cap bounds its work area.
 MAX_NATIVE_ROWS = 1024
-# The longest context of a step with prefill chunks the stack takes (decode steps: any). On the
-# 2-core EPYC a prompt prefilled through it ran 1.3x the op-by-op path's tokens/s at 500,
-# 1,000, 2,000 and 4,000 tokens (docs/perf.md): its attention reads each row's context itself,
+# The longest context of a step with prefill chunks the stack takes (decode steps: any). It
+# prefilled faster than the op-by-op path at every length measured, up to 4,000 tokens
+# (docs/perf.md, "Every version side by side"): its attention reads each row's context itself,
 # which over still longer contexts may lose to torch's flash attention.
 MAX_NATIVE_PREFILL_CONTEXT = 8192
 

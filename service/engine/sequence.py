@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from service.engine.blocks import Block, CacheScope
+from service.engine.blocks import Block
 from service.engine.params import SamplingParams
+from service.engine.values import CacheScope, FinishReason
 
 if TYPE_CHECKING:
     from service.kvtier.tier import LoadedRun, LoadTicket
@@ -27,12 +28,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds device blocks, scheduled every step
     SWAPPED = "swapped"  # preempted; its private blocks wait in the CPU pool
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # eos, a stop token or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"
 
 
 _seq_ids = itertools.count()

@@ -1,6 +1,6 @@
 """What the service sees of the engine: `ServingEngine`, the one interface that chat turns,
-OpenAI answers, page maps, /v1/stats and /v1/kv are written against, and the values it
-describes the engine with.
+OpenAI answers, page maps, /v1/stats and /v1/kv are written against; the values it speaks in
+are in `values.py`.
 
 `AsyncEngine` is the engine behind it in a server; tests put a fake behind it to drive the
 service without a model. Nothing on the service side reaches past it into the LLMEngine, its
@@ -17,40 +17,19 @@ cancelling the task iterating it, aborts the request: its blocks are free before
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Protocol
 
-from service.engine.blocks import CacheScope
-from service.engine.engine import EngineStats, KVPages, KVSnapshot, RequestOutput
 from service.engine.params import SamplingParams
-from service.engine.tokenizer import Tokenizer
-
-
-class EngineDeadError(RuntimeError):
-    """The engine has stopped, or failed: no request can be served."""
-
-
-@dataclass(slots=True, frozen=True)
-class EngineLimits:
-    max_model_len: int  # the longest sequence, prompt + answer (capped by the model's context)
-    block_size: int  # tokens per KV block: page maps count in these
-    num_device_blocks: int
-    num_cpu_blocks: int
-
-
-@dataclass(slots=True, frozen=True)
-class EnginePrecision:
-    # the layers' matmul weights: their GGUF types where packed ("Q4_1", "Q4_K+Q6_K"), else
-    # fp32 | bf16 | fp16
-    weights: str
-    weight_dtype: str  # the dense matmul weights' dtype ("bfloat16")
-    activation_dtype: str  # the activations'
-    kv_cache_dtype: str = ""  # the KV cache's ("float16"); "" where it is the activations'
-    # Threads of the native decode stack (decode steps' layers in one native call); 0 where
-    # decode steps run op by op.
-    decode_threads: int = 0
-    # The CPU kernels' version ("avx512", "avx2 (gemv generic)"); "" where none run.
-    cpu_kernels: str = ""
+from service.engine.values import (
+    CacheScope,
+    EngineLimits,
+    EnginePrecision,
+    EngineStats,
+    KVPages,
+    KVSnapshot,
+    RequestOutput,
+    TextTokenizer,
+)
 
 
 class ServingEngine(Protocol):
@@ -64,7 +43,7 @@ class ServingEngine(Protocol):
         ...
 
     @property
-    def tokenizer(self) -> Tokenizer: ...
+    def tokenizer(self) -> TextTokenizer: ...
 
     @property
     def limits(self) -> EngineLimits: ...

@@ -8,8 +8,8 @@ without adding text; they stay in the sequence's token ids, as the model saw the
 from __future__ import annotations
 
 from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason
 from service.engine.tokenizer import Tokenizer
+from service.engine.values import FinishReason
 
 
 class StopChecker:

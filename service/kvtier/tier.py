@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.engine.values import BackendStats, KVTierStats
 from service.kvtier import record
 from service.kvtier.backend import Backend, BackendUnavailable, BackendUsage
 from service.kvtier.config import KVTierConfig
@@ -69,34 +70,6 @@ class LoadTicket:
     done: threading.Event = field(default_factory=threading.Event)
     result: LoadedRun | None = None
     cancelled: bool = False  # the sequence gave up on it (timed out, aborted)
-
-
-@dataclass(slots=True, frozen=True)
-class BackendStats:
-    name: str
-    entries: int
-    bytes: int
-    cap_bytes: int
-    available: bool  # False while it is left alone after a failure
-
-
-@dataclass(slots=True, frozen=True)
-class KVTierStats:
-    codec: str
-    backends: list[BackendStats]
-    blocks_written: int
-    bytes_written: int  # encoded record bytes
-    writes_dropped: int  # blocks not written: the write queue was full, or no backend was up
-    write_errors: int
-    pending_writes: int  # blocks queued, not yet written
-    loads: int  # load requests (one per prompt that missed both pools)
-    loads_timed_out: int
-    blocks_loaded: int  # found, checked and handed to the engine
-    blocks_missed: int  # asked for and not found
-    blocks_rejected: dict[str, int]  # by reason: malformed, foreign, truncated, checksum
-    read_errors: int
-    write_seconds: float  # the writer thread's time encoding and storing
-    read_seconds: float  # the reader thread's time fetching and decoding
 
 
 @dataclass(slots=True)

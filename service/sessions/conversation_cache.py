@@ -21,10 +21,9 @@ import asyncio
 import logging
 import time
 
-from service.engine.blocks import CacheScope
-from service.engine.engine import RequestError
 from service.engine.params import SamplingParams
-from service.engine.serving import EngineDeadError, ServingEngine
+from service.engine.serving import ServingEngine
+from service.engine.values import CacheScope, EngineDeadError, RequestError
 from service.sessions.models import PageMap
 from service.sessions.prompt import ChatFormat
 

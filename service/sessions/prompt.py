@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from service.engine.tokenizer import Tokenizer
+from service.engine.values import TextTokenizer
 from service.sessions.models import Message, Role
 
 # A stand-in conversation to cut template pieces from; its contents never reach a prompt.
@@ -31,7 +31,7 @@ class TemplateError(ValueError):
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self._probe = tokenizer.apply_chat_template(_PROBE, add_generation_prompt=False)
         asked = tokenizer.apply_chat_template(_PROBE[:2], add_generation_prompt=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from service import cli
-from service.engine.engine import LLMEngine, RequestOutput
+from service.engine.engine import LLMEngine
+from service.engine.values import RequestOutput
 
 
 class InjectedFault(RuntimeError):

@@ -12,8 +12,8 @@ import pytest
 from protocol.frames import Delta, Done, ErrorCode, FinishReason, FrameError, ServerFrame
 from service.api.metrics import Metrics
 from service.api.turn import Turn
-from service.engine.blocks import Tier
 from service.engine.params import SamplingParams
+from service.engine.values import Tier
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.prompt import ChatFormat

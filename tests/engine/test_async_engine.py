@@ -10,10 +10,9 @@ import threading
 import pytest
 
 from service.engine.async_engine import AsyncEngine
-from service.engine.blocks import CacheScope, Tier, hash_blocks
-from service.engine.engine import RequestError, RequestOutput
+from service.engine.blocks import hash_blocks
 from service.engine.params import SamplingParams
-from service.engine.serving import EngineDeadError
+from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput, Tier
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import greedy, run
 

@@ -30,17 +30,14 @@ from service.engine.blocks import (
     Block,
     BlockManager,
     BlockOp,
-    CacheScope,
-    KVInvariantError,
     OpKind,
-    SlotState,
-    Tier,
     block_namespace,
     hash_block,
     hash_blocks,
 )
 from service.engine.params import SamplingParams
 from service.engine.sequence import Sequence
+from service.engine.values import CacheScope, KVInvariantError, SlotState, Tier
 
 NAMESPACE = "pagechat/test-model"
 POISON = -1  # what a slot holds when nothing may read it; kv_values() are never negative

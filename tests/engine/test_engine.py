@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from service.engine.blocks import CacheScope, Tier
-from service.engine.engine import RequestError
 from service.engine.params import SamplingParams
+from service.engine.values import CacheScope, RequestError, Tier
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import assert_same_greedy, greedy, run
 
@@ -266,7 +265,7 @@ def test_a_kv_snapshot_shows_every_live_table_and_the_slots_they_hold(
 ) -> None:
     """Forked samples share their prompt's full blocks: the snapshot shows them shared, each
     sample's own last block in use, and nothing left but cached blocks once they finish."""
-    from service.engine.blocks import SlotState
+    from service.engine.values import SlotState
 
     engine = make_engine(block_size=4, max_num_batched_tokens=64)
     prompt = random_prompts(1, seed=17, lengths=(10, 10))["r0"]  # 2 full blocks + 2 tokens

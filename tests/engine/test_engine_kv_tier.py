@@ -13,10 +13,11 @@ import redis
 import torch
 
 from service.engine.config import EngineConfig
-from service.engine.engine import LLMEngine, RequestOutput
+from service.engine.engine import LLMEngine
 from service.engine.loader import load_model
 from service.engine.params import SamplingParams
 from service.engine.sequence import SequenceStatus
+from service.engine.values import RequestOutput
 from service.kvtier.config import KVTierConfig
 from service.kvtier.dir_backend import DirBackend
 from tests.api.test_redis_outage import RedisProcess, redis_server

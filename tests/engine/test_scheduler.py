@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from service.engine.blocks import BlockManager, PrefixHit, Tier
+from service.engine.blocks import BlockManager, PrefixHit
 from service.engine.config import PreemptionMode
 from service.engine.params import SamplingParams
 from service.engine.scheduler import Scheduler, StepBatch
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.values import Tier
 
 BLOCK_SIZE = 4
 SAMPLED = 7  # the token every sampled position gets

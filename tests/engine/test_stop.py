@@ -5,8 +5,8 @@ part of one; stop tokens end the answer without text of their own."""
 from __future__ import annotations
 
 from service.engine.params import SamplingParams
-from service.engine.sequence import FinishReason
 from service.engine.stop import StopChecker
+from service.engine.values import FinishReason
 from tests.tiny_model import gguf_tokenizer
 
 
