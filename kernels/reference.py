@@ -158,7 +158,7 @@ def _gather(
     slots: torch.Tensor,  # [prod(...)] int64
 ) -> torch.Tensor:  # [..., Hkv, D]
     """K or V of the given positions. A contiguous cache is one flat index_select over slots,
-    ~3x faster on the CPU than indexing blocks and offsets separately."""
+    faster on the CPU than indexing blocks and offsets separately (docs/perf.md, "Engine")."""
     if not cache.is_contiguous():
         return cache[blocks, offsets]
     flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [N * bs, Hkv, D]

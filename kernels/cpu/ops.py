@@ -6,7 +6,7 @@ the library's helper thread.
 
 NOTE: nothing here splits work across threads of torch's: with two torch threads, torch's
 OpenMP worker spins for a while after each op, and a thread of ours for the other half
-fought it for the second core (a batch-1 step: 35 ms, not 15).
+fought it for the second core (docs/perf.md, "Packed weights").
 """
 
 from __future__ import annotations

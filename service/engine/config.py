@@ -1,14 +1,11 @@
 """Engine configuration: one validated dataclass, documented defaults.
 
-Defaults were chosen by measuring on the 2-core CPU machines this project runs on (see
-docs/perf.md, and its figures measured before the project started):
+Defaults were chosen by measuring on the 2-core CPU machines this project runs on; the
+measurements are in docs/perf.md (most in "Measured before the project"), not repeated here:
 - dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
-  and the matmul weights' dtype are chosen by timing one decoder layer of a batch-32 decode
-  step (its four projections and the paged attention) once at start-up, on this very CPU:
-  all fp32, bf16 weights under fp32 activations, or all bf16. On an AVX2-only EPYC bf16
-  matmuls ran ~7x slower than fp32 (all fp32 wins); on an EPYC with AVX512-BF16 matmuls ran
-  2x faster in bf16 but the attention 5x slower, so bf16 weights with fp32 activations decode
-  fastest (docs/perf.md).
+  and the matmul weights' dtype are what the start-up trial (service/engine/dtype_trial.py)
+  finds fastest on this very CPU: all fp32, bf16 weights under fp32 activations, or all bf16,
+  since the right one differs between CPUs (why: docs/perf.md, "Engine").
 - weights "auto" (with dtype and weight_dtype auto, on a CPU with the CPU kernels) serves a
   GGUF's quantized layer matmuls as the file stores them (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
   Q6_K: the bundled model's Q4_1 among them) through the native kernels: the checkpoint's own
@@ -20,32 +17,28 @@ docs/perf.md, and its figures measured before the project started):
   the pools hold; every kernel version widens it to fp32 as it loads; bfloat16's three bits
   fewer flipped a near-tie of the bundled model's greedy answers that float16 kept) and the
   activations' dtype on CUDA.
-- num_threads 1: with 2 torch threads single steps stalled for seconds; 1 thread was faster
-  and leaves a core for the event loop.
+- num_threads 1: faster than 2 on the 2-core machines, and leaves a core for the event loop
+  (docs/perf.md, "Measured before the project").
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
-- max_num_batched_tokens 512: a prefill chunk of 512 tokens takes ~0.5 s in bf16 on the CPU,
-  which bounds how long decoding sessions wait behind a new prompt.
-- cuda_graphs on: a decode step of a small batch on a GPU is bound by the host's ~100 µs per
-  attention launch without them (docs/perf.md); the CPU ignores it.
+- max_num_batched_tokens 512: bounds how long decoding sessions wait behind a new prompt's
+  prefill chunk (docs/perf.md, "Measured before the project").
+- cuda_graphs on: without them a decode step of a small batch on a GPU is bound by the host's
+  launch time (docs/perf.md, "Kernels on a GPU"); the CPU ignores it.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import os
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from kernels.cpu import dispatch
 from service.engine.blocks import AllocationMode
-from service.engine.quant import INT4, QUANTIZE_TO
-from service.kvtier.config import KVTierConfig
+from service.engine.dtype_trial import fastest_cpu_dtypes
+from service.engine.kvtier.config import KVTierConfig
 from service.settings import setting
 
 
@@ -56,7 +49,7 @@ class PreemptionMode(enum.Enum):
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Each field is an option of `pagechat serve` (service.api.options) and a row of
+    """Each field is an option of `pagechat serve` (service.server.options) and a row of
     docs/config.md, both written from its help text here."""
 
     model: str | Path | None = setting(
@@ -131,8 +124,8 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "most sequences in one batch")
     max_num_batched_tokens: int = setting(
         512,
-        "token budget of one step: decodes first, then prefill chunks. 512 bf16 prefill tokens"
-        " take ~0.5 s on the CPU, which bounds how long decoders wait behind a new prompt",
+        "token budget of one step: decodes first, then prefill chunks; bounds how long decoders"
+        " wait behind a new prompt (docs/perf.md)",
     )
     enable_prefix_caching: bool = setting(
         True,
@@ -158,8 +151,8 @@ class EngineConfig:
     seed: int = setting(0, "the engine's generator for random sampling without a request seed")
     num_threads: int = setting(
         1,
-        "torch threads. With 2 threads on the 2-core machines single steps stalled for seconds;"
-        " 1 leaves a core for the event loop",
+        "torch threads; 1 was faster than 2 on the 2-core machines and leaves a core for the"
+        " event loop (docs/perf.md)",
     )
     decode_threads: int = setting(
         2,
@@ -176,7 +169,7 @@ class EngineConfig:
         " pool. Prefill and mixed steps, the CPU and the torch backend run eagerly. Off: every"
         " step eager (service/engine/cuda_graphs.py)",
     )
-    # The third tier of KV blocks (service/kvtier): its own options, the `kv_tier` group.
+    # The third tier of KV blocks (service/engine/kvtier): its own options, the `kv_tier` group.
     kv_tier: KVTierConfig | None = None
 
     def __post_init__(self) -> None:
@@ -236,7 +229,7 @@ class EngineConfig:
         if self.dtype == "auto":
             if self.torch_device().type == "cuda":
                 return torch.bfloat16
-            if self.weights in ("int4", "int8") or self.serve_stored():
+            if self.weights in PACKED_FORMATS or self.serve_stored():
                 # The CPU kernels take fp32 inputs and compute in fp32 through: the
                 # bf16-activation trial's win does not apply.
                 return torch.float32
@@ -260,9 +253,10 @@ class EngineConfig:
         stored (`serve_stored`)."""
         if self.weights != "auto":
             chosen = WEIGHT_FORMATS[self.weights]
-            if chosen in QUANTIZE_TO and self.torch_device().type != "cpu":
+            packed = self.weights in PACKED_FORMATS
+            if packed and self.torch_device().type != "cpu":
                 raise ValueError(f"weights {self.weights} runs on the CPU only")
-            if chosen in QUANTIZE_TO and self.cpu_kernels() is None:
+            if packed and self.cpu_kernels() is None:
                 raise ValueError(f"weights {self.weights} needs the CPU kernels (a C compiler)")
             return chosen
         return self.torch_dense_dtype()
@@ -274,7 +268,7 @@ class EngineConfig:
         decode steps' are (bf16 there moved the bundled model's logits by 0.25)."""
         if self.weights in ("fp32", "bf16"):
             return WEIGHT_FORMATS[self.weights]
-        if self.weights in ("int4", "int8") or self.serve_stored():
+        if self.weights in PACKED_FORMATS or self.serve_stored():
             return torch.float32
         if self.weight_dtype != "auto":
             return _named_dtype(self.weight_dtype, "weight_dtype")
@@ -289,13 +283,15 @@ class EngineConfig:
         return self.torch_device().type == "cpu" and self.cpu_kernels() is not None
 
 
-# --weights names: dense dtypes, then the packed formats (see quant.py).
+# --weights names: dense dtypes, then the packed formats, named by the dtypes quant.py
+# (`INT4`, `QUANTIZE_TO`) and the loader take them by.
 WEIGHT_FORMATS: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "int8": torch.int8,
-    "int4": INT4,
+    "int4": torch.uint4,  # type: ignore[attr-defined]  # (missing from torch's stubs)
 }
+PACKED_FORMATS = ("int8", "int4")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Every CPU kernel version of every architecture (dispatch.names() has this machine's).
 ALL_ISAS = ("generic", "avx2", "avx512", "vnni", "amx", "neon")
@@ -310,78 +306,3 @@ def _named_dtype(name: str, option: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"{option} must be auto or one of {sorted(_DTYPES)}")
     return _DTYPES[name]
-
-
-class CpuDtypes(NamedTuple):
-    activations: torch.dtype
-    weights: torch.dtype
-
-
-# SmolLM2-135M's per-layer matmuls as (out, in): qkv, o_proj, gate_up, down.
-_LAYER_MATMULS = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-
-# From the most precise to the least: a later one is taken only if clearly faster.
-_CPU_CHOICES = (
-    CpuDtypes(torch.float32, torch.float32),
-    CpuDtypes(torch.float32, torch.bfloat16),
-    CpuDtypes(torch.bfloat16, torch.bfloat16),
-)
-
-
-@functools.cache
-def fastest_cpu_dtypes() -> CpuDtypes:
-    """The dtypes under which this CPU runs a decode-sized slice of the model fastest.
-
-    The slice is one decoder layer of a decode step at batch 32: the default model's four
-    projections (with the casts they need when the weights' dtype is not the activations')
-    and the attention of 32 sequences over 256 cached tokens (SDPA with a mask and GQA, as the
-    torch backend runs it). A matmul alone misleads: on an EPYC with AVX512-BF16 the matmuls
-    ran 2x faster in bf16 but the attention 5x slower, so all-bf16 decoded slower than fp32
-    while bf16 weights under fp32 activations decoded fastest (docs/perf.md). A less precise
-    choice must beat the one before it by 20%.
-
-    Trials alternate between the choices and the best of each counts, so a neighbour's load
-    on a shared machine does not decide. With one torch thread (the engine's default) the
-    trials count this thread's CPU time, which time spent descheduled does not inflate.
-    """
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 576, generator=gen)  # [B, hidden]
-    h = torch.randn(32, 1536, generator=gen)  # [B, intermediate]
-    # One decoder layer's matmuls in the default model's shapes: qkv, o_proj, gate_up, down.
-    weights = [torch.randn(n, k, generator=gen) for n, k in _LAYER_MATMULS]
-    q = torch.randn(32, 9, 1, 64, generator=gen)  # [B, Hq, 1, D]
-    kv = torch.randn(32, 3, 256, 64, generator=gen)  # [B, Hkv, C, D]
-    mask = torch.ones(32, 1, 1, 256, dtype=torch.bool)
-    F = torch.nn.functional
-
-    def layer(
-        x: torch.Tensor, h: torch.Tensor, ws: list[torch.Tensor], q: torch.Tensor, kv: torch.Tensor
-    ) -> None:
-        for w in ws:
-            inp = x if w.shape[1] == x.shape[1] else h  # `down` reads the MLP's hidden
-            F.linear(inp.to(w.dtype), w).to(inp.dtype)
-        F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
-
-    best = dict.fromkeys(_CPU_CHOICES, float("inf"))
-    for _ in range(3):
-        for choice in best:
-            act = choice.activations
-            ws = [w.to(choice.weights) for w in weights]
-            args = (x.to(act), h.to(act), ws, q.to(act), kv.to(act))
-            layer(*args)
-            start = clock()
-            for _ in range(2):
-                layer(*args)
-            best[choice] = min(best[choice], clock() - start)
-    return pick_cpu_dtypes(best)
-
-
-def pick_cpu_dtypes(times: Mapping[CpuDtypes, float]) -> CpuDtypes:
-    """From the most precise choice on, move to the next only where it is 20% faster than the
-    one held: a small gain is not worth the rounding."""
-    chosen = _CPU_CHOICES[0]
-    for choice in _CPU_CHOICES[1:]:
-        if times[choice] < 0.8 * times[chosen]:
-            chosen = choice
-    return chosen

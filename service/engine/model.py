@@ -144,9 +144,9 @@ class Linear(nn.Linear):
     """A bias-free projection whose weight may be stored in another dtype than the
     activations: the input is cast to the weight's dtype and the output back.
 
-    On a CPU with AVX512-BF16, bf16 weights halve the bytes a decode step reads and run the
-    matmuls ~2x faster, while fp32 activations keep the attention on the fast fp32 path
-    (docs/perf.md). With equal dtypes the casts are no-ops.
+    On a CPU with AVX512-BF16, bf16 weights halve the bytes a decode step reads and speed up
+    the matmuls, while fp32 activations keep the attention on the fast fp32 path (why:
+    docs/perf.md, "Engine"). With equal dtypes the casts are no-ops.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:

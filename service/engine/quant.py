@@ -163,10 +163,10 @@ class QuantLinear(nn.Module):
     """A bias-free projection over a `PackedWeight`, through the CPU kernels `kernels`.
 
     NOTE: the kernel follows the batch where that pays. The native product reads each weight
-    once: up to four rows in registers, more through tiles of dequantized rows in L1 (on the
-    2-core EPYC it beat torch's fp32 GEMM over the dequantized weight at every row count up to
-    512, docs/perf.md). Where torch's GEMM wins above some row count on a CPU, steps of more
-    than `max_packed_tokens` rows dequantize each weight into `scratch` and run it
+    once: up to four rows in registers, more through tiles of dequantized rows in L1 (it beat
+    torch's fp32 GEMM over the dequantized weight at every row count measured: docs/perf.md,
+    "Every version side by side"). Where torch's GEMM wins above some row count on a CPU, steps
+    of more than `max_packed_tokens` rows dequantize each weight into `scratch` and run it
     (`packed_kernel_pays`; the crossover is timed once per process and thread count,
     `measured_max_packed_tokens`). No dense copy is ever kept.
     """

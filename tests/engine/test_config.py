@@ -8,15 +8,11 @@ import pytest
 import torch
 
 from kernels.cpu import build
-from service.engine.config import (
-    _CPU_CHOICES,
-    CpuDtypes,
-    EngineConfig,
-    fastest_cpu_dtypes,
-    pick_cpu_dtypes,
-)
+from service.engine.config import PACKED_FORMATS, WEIGHT_FORMATS, EngineConfig
+from service.engine.dtype_trial import CPU_CHOICES, CpuDtypes, fastest_cpu_dtypes
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
+from service.engine.quant import QUANTIZE_TO
 from tests.engine.greedy import run
 
 
@@ -35,7 +31,7 @@ def test_auto_on_the_cpu_takes_one_of_the_timed_choices(monkeypatch: pytest.Monk
     monkeypatch.setattr(EngineConfig, "serve_stored", lambda self: False)  # dense weights
     config = EngineConfig(device="cpu")
     chosen = CpuDtypes(config.torch_dtype(), config.torch_weight_dtype())
-    assert chosen in _CPU_CHOICES
+    assert chosen in CPU_CHOICES
     assert chosen == fastest_cpu_dtypes()  # timed once per process
 
 
@@ -46,24 +42,9 @@ def test_packed_weights_run_with_fp32_activations_whatever_the_trial_says(weight
     assert EngineConfig(device="cpu", weights=weights).torch_dtype() == torch.float32
 
 
-FP32, MIXED, BF16 = _CPU_CHOICES
-
-
-@pytest.mark.parametrize(
-    ("fp32", "mixed", "bf16", "chosen"),
-    [
-        (1.0, 0.65, 2.0, MIXED),  # an AVX512-BF16 EPYC: bf16 matmuls, slow bf16 attention
-        (1.0, 3.0, 7.0, FP32),  # an AVX2-only EPYC: bf16 matmuls ~7x slower
-        (1.0, 0.85, 2.0, FP32),  # 15% faster is not worth the rounding
-        (1.0, 0.7, 0.5, BF16),  # native bf16 everywhere: each step 20% faster
-        (1.0, 0.9, 0.75, BF16),  # judged against fp32, still held
-        (1.0, 0.7, 0.6, MIXED),  # all-bf16 must beat mixed, not only fp32
-    ],
-)
-def test_the_trial_takes_a_less_precise_choice_only_where_it_is_20_percent_faster(
-    fp32: float, mixed: float, bf16: float, chosen: CpuDtypes
-) -> None:
-    assert pick_cpu_dtypes({FP32: fp32, MIXED: mixed, BF16: bf16}) == chosen
+def test_the_packed_weight_formats_are_the_dtypes_quant_packs() -> None:
+    # config names them without importing quant.py: the two must agree.
+    assert {WEIGHT_FORMATS[name] for name in PACKED_FORMATS} == set(QUANTIZE_TO)
 
 
 @pytest.mark.parametrize("option", ["dtype", "weight_dtype"])

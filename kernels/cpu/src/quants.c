@@ -33,13 +33,13 @@
    time against them: TILE_J x TILE_R accumulators in registers, each weight vector loaded
    once per TILE_R rows and each input vector once per TILE_J weight rows. */
 #if defined(PC_ISA_AVX512)
-#define TILE_J 6 /* 24 of the 32 zmm registers accumulate (6 x 4 ran ahead of 4 x 6, 3 x 8) */
+#define TILE_J 6 /* 24 of the 32 zmm registers accumulate (the fastest shape: docs/perf.md) */
 #define TILE_R 4
 #elif defined(PC_ISA_NEON)
 #define TILE_J 4 /* 16 of the 32 q registers */
 #define TILE_R 4
 #elif defined(PC_ISA_AVX2)
-#define TILE_J 3 /* 12 of the 16 ymm registers: 3 x 4 ran 1.3x 2 x 4's and 2 x 6's */
+#define TILE_J 3 /* 12 of the 16 ymm registers (the fastest shape: docs/perf.md) */
 #define TILE_R 4
 #else
 #define TILE_J 2 /* 8 vf, in 16 of SSE2's xmm registers */
@@ -106,8 +106,9 @@ static void dense_block(const float *w, int rows, const float *x, int64_t m, int
 
 /* Input rows a pass of the tiles takes: all of them where they fit INPUT_BYTES (each weight
    row's tile streams them all once), else equal blocks that do, each block passing over the
-   weights again (dequantizing them again: ~1% of a block's products). 1 MB: at 510 rows of
-   1,536 (3 MB, past this Xeon's 2-MB L2) AVX2's tiles ran at half speed from L3. */
+   weights again (dequantizing them again: ~1% of a block's products). 1 MB: half a 2-MB L2,
+   so a prompt chunk's inputs stream from L2, not L3 (why: docs/perf.md, "A prompt chunk's
+   products: inputs blocked for L2"). */
 #define INPUT_BYTES (1 << 20)
 
 static int64_t input_block(int64_t m, int64_t k) {
