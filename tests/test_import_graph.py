@@ -190,7 +190,7 @@ def test_the_walk_finds_relative_and_type_checking_imports(tmp_path: Path) -> No
         "from .x import y\n"
         "from .. import z\n"
         "if TYPE_CHECKING:\n"
-        "    from service.api.service import ChatService\n"
+        "    from service.server.hub import Hub\n"
         "def later() -> None:\n"
         "    import service.engine\n"
     )
@@ -198,6 +198,6 @@ def test_the_walk_finds_relative_and_type_checking_imports(tmp_path: Path) -> No
         *("typing", "typing.TYPE_CHECKING"),
         *("a.b.x", "a.b.x.y"),
         *("a", "a.z"),
-        *("service.api.service", "service.api.service.ChatService"),
+        *("service.server.hub", "service.server.hub.Hub"),
         "service.engine",
     }

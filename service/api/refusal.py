@@ -2,8 +2,8 @@
 
 The service (`ChatService.admit`, `ChatService.begin_turn`) and the gate (`Gate.authenticate`)
 say only which rule refused and why; each transport decides what its client sees: the
-WebSocket an error frame and maybe a close (`service.api.connection`), HTTP a status and
-OpenAI's error shape (`service.api.openai_errors.refusal_error`).
+WebSocket an error frame and maybe a close (`service.api.ws.connection`), HTTP a status and
+OpenAI's error shape (`service.api.openai.errors.refusal_error`).
 """
 
 from __future__ import annotations

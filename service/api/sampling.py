@@ -1,26 +1,30 @@
 """What a client asks for, as the engine's SamplingParams within the server's limits: the one
 builder of the WebSocket (`user` frames) and the OpenAI endpoints. Each transport maps a
-`SamplingRefused` to its own error."""
+`SamplingError` to its own error."""
 
 from __future__ import annotations
 
 import enum
 
-from service.api.config import Limits
+from service.api.limits import Limits
 from service.engine.params import SamplingParams
 
 
-class Refused(enum.Enum):
+class SamplingErrorKind(enum.Enum):
+    """Why a request's sampling fields cannot be served; each transport has its error for it."""
+
     INVALID = "invalid"  # out of range, or not a value at all
     OVER_LIMIT = "over_limit"  # max_tokens over --max-tokens
     CONTEXT = "context"  # max_tokens more than the context has left after the prompt
 
 
-class SamplingRefused(ValueError):
-    def __init__(self, message: str, param: str | None, why: Refused = Refused.INVALID) -> None:
+class SamplingError(ValueError):
+    def __init__(
+        self, message: str, param: str | None, kind: SamplingErrorKind = SamplingErrorKind.INVALID
+    ) -> None:
         super().__init__(message)
         self.param = param  # the SamplingParams field it is about, when one is
-        self.why = why
+        self.kind = kind
 
 
 def sampling_params(
@@ -43,18 +47,18 @@ def sampling_params(
     """An explicit max_tokens is refused under 1 (0 is no answer at all, never "the default":
     leaving it out is), over the limit, or (given `room`) past what the context holds."""
     if max_tokens is not None and max_tokens < 1:
-        raise SamplingRefused("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
+        raise SamplingError("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
     if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise SamplingRefused(
+        raise SamplingError(
             f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}",
             "max_tokens",
-            Refused.OVER_LIMIT,
+            SamplingErrorKind.OVER_LIMIT,
         )
     if max_tokens is not None and room is not None and max_tokens > room:
-        raise SamplingRefused(
+        raise SamplingError(
             f"max_tokens is {max_tokens}; the context has room for {room}",
             "max_tokens",
-            Refused.CONTEXT,
+            SamplingErrorKind.CONTEXT,
         )
     try:
         return SamplingParams(
@@ -71,7 +75,7 @@ def sampling_params(
             logit_bias=logit_bias,
         )
     except ValueError as exc:
-        raise SamplingRefused(str(exc), _field_named(str(exc))) from None
+        raise SamplingError(str(exc), _field_named(str(exc))) from None
 
 
 def _field_named(message: str) -> str | None:

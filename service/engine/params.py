@@ -5,6 +5,9 @@ from __future__ import annotations
 import msgspec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# An answer's length when its request names none: the engine's, the CLI's and the server's
+# (`Limits.default_max_tokens`, which an operator may change), one number.
+DEFAULT_MAX_TOKENS = 512
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -13,7 +16,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `n` samples share the prompt's KV blocks; sample i draws from seed + i when a seed is given.
     """
 
-    max_tokens: int = 256  # 0: prefill only: compute and cache the prompt, generate nothing
+    # 0: prefill only: compute and cache the prompt, generate nothing
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k

@@ -129,6 +129,10 @@ class SessionStore:
         self._end_turn = redis.register_script(_END_TURN)
         self._append_turn = redis.register_script(_APPEND_TURN)
 
+    def under(self, prefix: str) -> SessionStore:
+        """Another key space (a tenant's) over the same Redis client; close only this one."""
+        return SessionStore(self._redis, prefix=prefix, ttl_s=self.ttl_s, replica=self.replica)
+
     # ------------------------------------------------------------------ keys
 
     def meta_key(self, session_id: str) -> str:

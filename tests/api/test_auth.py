@@ -1,4 +1,4 @@
-"""Who may come in (service/api/auth.py, and its HTTP guard, service/api/guard.py): the keys
+"""Who may come in (service/api/access/gate.py, and its HTTP guard, access/guard.py): the keys
 file, the gate and the Origin rule as units; then API keys, tenants' separate sessions, the
 failed-attempt limiter and the Origin rule against a real `pagechat serve` with a keys file,
 over real WebSockets and HTTP (the limiter alone: test_limiter.py).
@@ -28,10 +28,10 @@ from websockets.typing import Origin
 
 from clients.chat_client import ChatClient, ChatServerError
 from protocol.frames import Error, SessionOpened
-from service.api.auth import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
-from service.api.config import ServerConfig
-from service.api.options import add_arguments, config_from_args
+from service.api.access.gate import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.refusal import Refusal, RefusalReason
+from service.server.config import ServerConfig
+from service.server.options import add_arguments, config_from_args
 from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
 from tests.api.test_limiter import Clock
 
@@ -87,6 +87,7 @@ def test_a_keys_file_without_keys_is_refused() -> None:
         ApiKeys.parse("# nothing yet\n\n", "keys.txt")
 
 
+@pytest.mark.server
 def test_serve_refuses_a_malformed_keys_file_at_start_up(tmp_path: Path) -> None:
     path = tmp_path / "keys.txt"
     path.write_text(f"{ALICE} tenant-a\nshort tenant-b\n")
@@ -278,6 +279,7 @@ async def bobs_session(server: ServerProcess) -> AsyncIterator[SessionOpened]:
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 def test_openai_endpoints_need_a_key_in_openais_error_shape(server: ServerProcess) -> None:
     for key in (None, "wrong-key-0123456789"):
         status, headers, body = call(server, "/v1/models", key=key)
@@ -293,6 +295,7 @@ def test_openai_endpoints_need_a_key_in_openais_error_shape(server: ServerProces
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 def test_stats_and_the_page_map_need_an_admin_key(server: ServerProcess) -> None:
     for path in ("/v1/stats", "/v1/kv"):
         assert call(server, path)[0] == 401
@@ -302,12 +305,14 @@ def test_stats_and_the_page_map_need_an_admin_key(server: ServerProcess) -> None
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 def test_health_and_metrics_stay_open(server: ServerProcess) -> None:
     assert call(server, "/health")[0] == 200
     assert call(server, "/metrics")[0] == 200
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 def test_wrong_keys_over_http_are_refused_after_the_first_few(server: ServerProcess) -> None:
     address = fresh_address()
     statuses = [
@@ -325,6 +330,7 @@ def test_wrong_keys_over_http_are_refused_after_the_first_few(server: ServerProc
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_a_socket_without_a_key_gets_unauthorized_and_stays_open(
     server: ServerProcess,
 ) -> None:
@@ -340,6 +346,7 @@ async def test_a_socket_without_a_key_gets_unauthorized_and_stays_open(
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_a_key_in_the_frame_wins_over_the_header(server: ServerProcess) -> None:
     async with await connect(server, key="wrong-key-0123456789") as chat:
         opened = await chat.open(api_key=ALICE)
@@ -349,6 +356,7 @@ async def test_a_key_in_the_frame_wins_over_the_header(server: ServerProcess) ->
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_a_tenants_sessions_are_unknown_to_other_tenants(
     server: ServerProcess, prefix: str, redis_client: redis.Redis
 ) -> None:
@@ -365,6 +373,7 @@ async def test_a_tenants_sessions_are_unknown_to_other_tenants(
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_a_tenant_gets_answers_in_its_own_sessions(server: ServerProcess) -> None:
     async with await connect(server, key=BOB) as chat:
         await chat.open()
@@ -373,6 +382,7 @@ async def test_a_tenant_gets_answers_in_its_own_sessions(server: ServerProcess) 
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_two_hundred_wrong_secrets_are_refused_after_the_first_few(
     server: ServerProcess, bobs_session: SessionOpened
 ) -> None:
@@ -400,6 +410,7 @@ async def test_two_hundred_wrong_secrets_are_refused_after_the_first_few(
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_guesses_from_many_addresses_are_slowed_per_session(
     server: ServerProcess, bobs_session: SessionOpened
 ) -> None:
@@ -416,6 +427,7 @@ async def test_guesses_from_many_addresses_are_slowed_per_session(
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_probing_session_ids_is_slowed_per_address(server: ServerProcess) -> None:
     address = fresh_address()
     codes: list[str] = []
@@ -433,6 +445,7 @@ async def test_probing_session_ids_is_slowed_per_address(server: ServerProcess) 
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 async def test_forwarded_for_counts_only_from_a_trusted_proxy(server: ServerProcess) -> None:
     # 127.0.0.2 is not a trusted proxy: its X-Forwarded-For is ignored, so rotating it
     # does not escape the limiter.
@@ -453,6 +466,7 @@ async def test_forwarded_for_counts_only_from_a_trusted_proxy(server: ServerProc
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("origin", ["http://evil.example", "null", "https://allowed.example"])
+@pytest.mark.server
 async def test_a_foreign_page_cannot_open_a_socket(server: ServerProcess, origin: str) -> None:
     with pytest.raises(InvalidStatus) as refused:
         await connect(server, key=BOB, origin=Origin(origin))
@@ -461,6 +475,7 @@ async def test_a_foreign_page_cannot_open_a_socket(server: ServerProcess, origin
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("origin", ["own", ALLOWED, None])
+@pytest.mark.server
 async def test_the_own_an_allowed_or_no_origin_may_open_a_socket(
     server: ServerProcess, origin: str | None
 ) -> None:

@@ -13,7 +13,7 @@ import websockets
 from tests.api.server import ServerProcess, running_server
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from tests.api.server import (
 )
 from tests.tiny_model import gguf_tokenizer
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(180)]
 
 # NOTE: float32, not the default (auto, timed per CPU): greedy answers are compared exactly
 # here, and on an AVX2-only CPU bf16 prefills ~6x slower (a 280-token prompt: 10 s vs 1.5 s).

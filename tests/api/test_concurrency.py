@@ -19,7 +19,7 @@ from tests.api.server import (
     wait_balanced,
 )
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
 
 NEAR_TIE = 1e-3  # as tests/engine/greedy.py
 SUBJECTS = [

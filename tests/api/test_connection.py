@@ -1,4 +1,4 @@
-"""ChatConnection (service/api/connection.py): the state machine refuses transitions it does
+"""ChatConnection (service/api/ws/connection.py): the state machine refuses transitions it does
 not allow; and in-process, through Starlette's TestClient, with a fake engine behind the
 engine interface and the real Redis on 127.0.0.1:6379, what a client sees frame by frame."""
 
@@ -13,10 +13,11 @@ import msgspec
 import pytest
 from starlette.testclient import TestClient, WebSocketTestSession
 
-from service.api.app import create_app
-from service.api.config import Limits, ServerConfig
-from service.api.connection import ChatConnection, InvalidTransition, State
-from service.api.service import ChatService
+from service.api.limits import Limits
+from service.api.ws.connection import ChatConnection, InvalidTransition, State
+from service.server.app import create_app
+from service.server.config import ServerConfig
+from service.server.hub import Hub
 from tests.api.server import REDIS_URL, delete_prefix, stored_session, unique_prefix
 from tests.fake_engine import ANSWER, FakeEngine
 
@@ -27,7 +28,7 @@ class _Socket:
 
 
 def connection(subprotocols: list[str] | None = None) -> ChatConnection:
-    return ChatConnection(_Socket(subprotocols or []), service=None)  # type: ignore[arg-type]
+    return ChatConnection(_Socket(subprotocols or []), parts=None)  # type: ignore[arg-type]
 
 
 def test_a_session_goes_accepted_ready_streaming_ready_closed() -> None:
@@ -65,7 +66,7 @@ def test_the_msgpack_subprotocol_selects_binary_frames() -> None:
 @dataclass
 class App:
     client: TestClient
-    service: ChatService
+    hub: Hub
     engine: FakeEngine
     prefix: str
 
@@ -83,13 +84,13 @@ def app() -> Iterator[App]:
         limits=Limits(max_connections=2, drain_timeout_s=0),
     )
     engine = FakeEngine()
-    service = ChatService(config, engine=engine)
+    hub = Hub(config, engine=engine)
     try:
-        with TestClient(create_app(service)) as client:
-            yield App(client, service, engine, prefix)
+        with TestClient(create_app(hub)) as client:
+            yield App(client, hub, engine, prefix)
     finally:
         delete_prefix(prefix)
-    assert service.balanced_at_exit  # no request of the fake engine left running
+    assert hub.balanced_at_exit  # no request of the fake engine left running
 
 
 def answer(ws: WebSocketTestSession) -> tuple[str, dict[str, Any]]:
@@ -185,7 +186,7 @@ def test_a_client_gone_mid_answer_has_its_request_aborted_and_the_answer_stored(
         # The client goes. (Leaving the block would also cancel the app, which no real
         # server does to a connection whose client left: wait inside it.)
         ws.close(1000)
-        wait_for(lambda: not app.service.connections)
+        wait_for(lambda: not app.hub.admission.connections)
     messages, _ = stored_session(app.prefix, session_id)
     assert (messages[-1].content, messages[-1].finish_reason) == (first, "disconnected")
     assert app.engine.aborted == [f"{session_id}/0"]

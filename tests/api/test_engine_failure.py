@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import websockets
 
-from service.api.server import EXIT_ENGINE_FAILED
+from service.server.serve import EXIT_ENGINE_FAILED
 from tests.api.server import (
     REDIS_URL,
     REPO,
@@ -34,7 +34,7 @@ from tests.api.server import (
 )
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
 
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 4}
 

@@ -26,7 +26,7 @@ from tests.api.server import (
 from tests.api.test_redis_outage import RedisProcess
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(180)]
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 BLOCK = 16
 LONG = " ".join(f"word{i}" for i in range(120))  # a history of many blocks

@@ -1,9 +1,9 @@
-"""The failed-attempt limiter (service/api/limiter.py): free failures, then doubling waits up
+"""The failed-attempt limiter (service/api/access/limiter.py): free failures, then doubling waits up
 to a cap, forgotten after a window or on success, and a bounded table of subjects."""
 
 from __future__ import annotations
 
-from service.api.limiter import AttemptLimiter
+from service.api.access.limiter import AttemptLimiter
 
 
 class Clock:

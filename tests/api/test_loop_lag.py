@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from service.api.loop_lag import LoopLagMonitor
+from service.api.observability.loop_lag import LoopLagMonitor
 
 
 async def test_a_blocked_loop_shows_up_as_lag() -> None:

@@ -19,7 +19,7 @@ from clients.chat_client import ChatClient
 from tests.api.server import ServerProcess, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
 
 NAMES = ("smol-chat", "gpt-4o-mini")  # --served-model-name: metrics carry the first
 HI = [{"role": "user", "content": "Hello there"}]

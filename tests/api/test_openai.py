@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from service.api.config import ServerConfig
-from service.api.options import add_arguments, config_from_args
+from service.server.config import ServerConfig
+from service.server.options import add_arguments, config_from_args
 from tests.api.server import ServerProcess, running_server, wait_balanced
 from tests.tiny_model import gguf_tokenizer
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(180)]
 
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 65536
@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--num-device-blocks", "64", "--num-cpu-blocks", "64"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "128"),
         *("--default-max-tokens", "64"),
-        *("--max-inflight-turns", "1", "--ws-max-size", str(BODY_LIMIT)),
+        *("--max-inflight-turns", "1", "--max-body-bytes", str(BODY_LIMIT)),
         *("--served-model-name", ",".join(NAMES), "--cors-allowed-origins", APP_ORIGIN),
     ) as server:
         yield server

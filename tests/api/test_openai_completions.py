@@ -7,15 +7,14 @@ from typing import Any
 
 import pytest
 
-from service.api.config import Limits
-from service.api.openai_completions import (
-    DEFAULT_MAX_TOKENS,
+from service.api.limits import Limits
+from service.api.openai.completion_request import (
     CompletionRequest,
     completion_params,
     completion_prompt,
     decode_completion_request,
 )
-from service.api.openai_errors import OpenAIError
+from service.api.openai.errors import OpenAIError
 from tests.tiny_model import gguf_tokenizer
 
 SERVED = ("smol",)
@@ -23,6 +22,12 @@ SERVED = ("smol",)
 
 def decode(**body: Any) -> CompletionRequest:
     return decode_completion_request(json.dumps({"prompt": "Once upon", **body}).encode(), SERVED)
+
+
+def test_the_default_answer_length_is_configurable_and_clamped_to_the_room_left() -> None:
+    limits = Limits(default_completion_tokens=40)
+    assert completion_params(decode(), limits, 5, 2048).max_tokens == 40
+    assert completion_params(decode(), limits, 2040, 2048).max_tokens == 8
 
 
 def test_a_string_prompt_is_plain_text_and_ids_or_a_list_of_one_work_too() -> None:
@@ -37,7 +42,8 @@ def test_nulls_mean_defaults_and_the_default_answer_is_short() -> None:
     nulls = dict.fromkeys(CompletionRequest.__struct_fields__[1:])
     params = completion_params(decode(**nulls), Limits(), 5, 2048)
     assert params == completion_params(decode(), Limits(), 5, 2048)
-    assert params.max_tokens == DEFAULT_MAX_TOKENS and params.logprobs is None
+    assert params.max_tokens == Limits().default_completion_tokens == 16
+    assert params.logprobs is None
     assert completion_params(decode(logprobs=3), Limits(), 5, 2048).logprobs == 3
     assert completion_params(decode(best_of=2, n=2), Limits(), 5, 2048).n == 2
 

@@ -12,18 +12,18 @@ import msgspec
 import pytest
 from starlette.requests import Request
 
-from service.api.config import Limits
-from service.api.openai import http_error
-from service.api.openai_completions import CompletionRequest
-from service.api.openai_errors import OpenAIError
-from service.api.openai_request import (
+from service.api.limits import Limits
+from service.api.openai.chat_request import (
     ChatCompletionRequest,
     ChatMessageIn,
     StreamOptions,
+    chat_params,
     decode_request,
     render_prompt,
-    sampling_params,
 )
+from service.api.openai.completion_request import CompletionRequest
+from service.api.openai.errors import OpenAIError
+from service.api.openai.routes import http_error
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
 from tests.tiny_model import gguf_tokenizer
@@ -38,7 +38,7 @@ def decode(**body: Any) -> ChatCompletionRequest:
 
 
 def params(req: ChatCompletionRequest, prompt_tokens: int = 10) -> SamplingParams:
-    return sampling_params(req, Limits(), prompt_tokens, 2048)
+    return chat_params(req, Limits(), prompt_tokens, 2048)
 
 
 def refusal(**body: Any) -> OpenAIError:
@@ -70,13 +70,13 @@ def test_explicit_nulls_mean_the_defaults() -> None:
 
 def test_logit_bias_becomes_token_id_pairs_within_the_vocabulary() -> None:
     req = decode(logit_bias={"7": 5, "3": -100})
-    assert sampling_params(req, Limits(), 10, 2048, vocab_size=8).logit_bias == (
+    assert chat_params(req, Limits(), 10, 2048, vocab_size=8).logit_bias == (
         (3, -100.0),
         (7, 5.0),
     )
     for bias, vocab in [({"8": 1}, 8), ({"0": 101}, 8), ({"-1": 1}, None), ({"a": 1}, None)]:
         with pytest.raises(OpenAIError) as caught:
-            sampling_params(decode(logit_bias=bias), Limits(), 10, 2048, vocab_size=vocab)
+            chat_params(decode(logit_bias=bias), Limits(), 10, 2048, vocab_size=vocab)
         assert caught.value.param == "logit_bias"
 
 
@@ -275,11 +275,11 @@ def test_special_token_text_in_a_message_stays_plain_text(chat: ChatFormat) -> N
 
 def test_max_tokens_beyond_the_context_is_refused_and_the_default_fits_it() -> None:
     with pytest.raises(OpenAIError) as caught:
-        sampling_params(decode(max_tokens=100), Limits(), 2000, 2048)
+        chat_params(decode(max_tokens=100), Limits(), 2000, 2048)
     error = caught.value
     assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
     assert "2048" in error.message and "2100" in error.message
-    assert sampling_params(decode(), Limits(), 2000, 2048).max_tokens == 48
+    assert chat_params(decode(), Limits(), 2000, 2048).max_tokens == 48
     with pytest.raises(OpenAIError) as zero:
         params(decode(max_tokens=0))
     assert zero.value.param == "max_tokens"

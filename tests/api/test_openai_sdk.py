@@ -20,7 +20,7 @@ import pytest
 from tests.api.server import ServerProcess, is_idle, running_server
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
 
 KEY = "sk-sdk-test-0123456789abcdef"
 NAMES = ("tiny-llama", "gpt-4o-mini")  # --served-model-name: an app's own model name works

@@ -1,4 +1,4 @@
-"""`pagechat serve` options (service/api/options.py): one option and one environment variable
+"""`pagechat serve` options (service/server/options.py): one option and one environment variable
 per config field, command line over environment over defaults, and docs/config.md's tables
 written from the same fields."""
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from service.api.options import (
+from service.engine.config import PreemptionMode
+from service.server.options import (
     GROUPS,
     NESTED,
     PREFIX,
@@ -23,7 +24,6 @@ from service.api.options import (
     options,
     with_tables,
 )
-from service.engine.config import PreemptionMode
 from service.settings import setting
 
 CONFIG_MD = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -153,7 +153,7 @@ def test_docs_config_md_tables_are_the_fields_as_written_from_the_code() -> None
     doc = CONFIG_MD.read_text()
     assert with_tables(doc) == doc, (
         "docs/config.md and the config fields disagree: run "
-        "`.venv/bin/python -m service.api.options docs/config.md`"
+        "`.venv/bin/python -m service.server.options docs/config.md`"
     )
     rows = {}
     for line in doc.splitlines():

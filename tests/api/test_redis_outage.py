@@ -20,7 +20,7 @@ from clients.chat_client import ChatClient, ChatServerError
 from tests.api.server import start_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]
 
 
 class RedisProcess:

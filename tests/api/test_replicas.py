@@ -28,7 +28,7 @@ from tests.api.server import (
 )
 from tests.tiny_model import gguf_tokenizer, make_tiny_llama
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 ROUNDS = 8
 SYSTEM = "You are terse."

@@ -22,7 +22,7 @@ from service.sessions.prompt import ChatFormat
 from tests.api.server import start_server, wait_balanced
 from tests.tiny_model import gguf_tokenizer
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
 
 GREEDY = {"temperature": 0.0}
 

@@ -17,7 +17,7 @@ from tests.api.server import ServerProcess, start_server, wait_balanced
 from tests.sessions.test_sentinel import Cluster
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(180)]
 
 CHATS = 4
 TURNS_AFTER_KILL = 3

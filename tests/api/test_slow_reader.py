@@ -38,7 +38,7 @@ from tests.api.server import (
 )
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 RUNS = 20
 SEND_TIMEOUT_S = 1.0

@@ -1,4 +1,4 @@
-"""One turn (service/api/turn.py) in-process: a fake engine behind the engine interface and
+"""One turn (service/api/ws/turn.py) in-process: a fake engine behind the engine interface and
 the real Redis on 127.0.0.1:6379. Where its prompt comes from (stored token ids, the
 template, or, for a page map of another model, the stored text), what it sends, stores and
 leaves the engine doing afterwards."""
@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from protocol.frames import Delta, Done, ErrorCode, FinishReason, FrameError, ServerFrame
-from service.api.metrics import Metrics
-from service.api.turn import Turn
+from service.api.observability.metrics import Metrics
+from service.api.ws.turn import Turn
 from service.engine.params import SamplingParams
 from service.engine.values import Tier
 from service.sessions.conversation_cache import ConversationCache
@@ -194,3 +194,19 @@ async def test_a_prompt_past_the_context_is_refused_and_nothing_is_stored(
     assert refused.value.code is ErrorCode.CONTEXT_LENGTH
     _, stored = await store.load(session_id)
     assert stored is None and engine.requests == []
+
+
+async def test_the_answer_length_is_clamped_to_what_the_context_has_left(
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
+) -> None:
+    """max_tokens 64 (asked, or a default) near the end of the context: the engine is asked
+    for no more than the room the prompt leaves, as on every transport."""
+    session_id = (await store.create(model_id="model-a", system=None)).meta.session_id
+    prompt_len = len(conversations.chat_format.first_prompt(None, "Again"))
+    words = engine.limits.max_model_len - prompt_len - 20  # leaves about 20 tokens of room
+    content = "Again" + " word" * words
+    await turn(engine, conversations, store, session_id, content=content).run()
+    (first, *_) = engine.requests
+    room = engine.limits.max_model_len - len(first.prompt)
+    assert 0 < room < 64
+    assert first.params.max_tokens == room

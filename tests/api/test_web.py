@@ -18,11 +18,11 @@ import pytest
 
 from clients.chat_client import ChatClient
 from protocol.frames import Delta
-from service.api.kv_view import session_tag
+from service.api.observability.kv_view import session_tag
 from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
 
 DEVICE_BLOCKS, CPU_BLOCKS = 64, 32
 API_KEY = "page-key-0123456789abcdef"

@@ -31,7 +31,7 @@ from benchmarks.peers import (
 )
 from benchmarks.serve import Server
 from benchmarks.sse_client import StreamError, StreamResult
-from service.api.openai_request import ChatCompletionRequest
+from service.api.openai.chat_request import ChatCompletionRequest
 from tests.tiny_model import gguf_tokenizer, make_tiny_llama
 
 
@@ -151,6 +151,7 @@ def test_without_a_llama_server_binary_it_says_so_and_runs_nothing(
 # ---------------------------------------------------------------------- real servers
 
 
+@pytest.mark.server
 def test_the_client_half_against_a_real_pagechat_server(tmp_path: Path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     args = ["--data-dir", str(tmp_path / "data"), "--model", str(model), "--dtype", "float32"]
@@ -169,6 +170,7 @@ def test_the_client_half_against_a_real_pagechat_server(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_model
+@pytest.mark.server
 def test_the_whole_command_against_llama_server_on_the_bundled_model(tmp_path: Path) -> None:
     if not DEFAULT_BINARY.is_file() or shutil.which(str(DEFAULT_BINARY)) is None:
         pytest.skip(f"llama-server is not built ({DEFAULT_BINARY}): make llama-server")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from service.api.auth import cache_salt_for
+from service.api.access.gate import cache_salt_for
 from service.engine.values import CacheScope
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.prompt import ChatFormat

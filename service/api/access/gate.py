@@ -18,20 +18,16 @@ import hmac
 import math
 import re
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection
 
-from service.api.config import normalize_origin
-from service.api.limiter import AttemptLimiter
+from service.api.access.limiter import AttemptLimiter
 from service.api.refusal import Refusal, RefusalReason
-
-if TYPE_CHECKING:
-    from service.api.config import ServerConfig
 
 DEFAULT_TENANT = "default"
 MIN_KEY_CHARS = 16
@@ -138,7 +134,7 @@ def bearer(headers: Headers) -> str | None:
 def client_address(connection: HTTPConnection) -> str:
     """The client's address: the peer, or, from a `--trusted-proxies` peer, the last address
     before the trusted ones in X-Forwarded-For (uvicorn's proxy headers, set up by
-    service.api.server from the same option)."""
+    service.server.serve from the same option)."""
     return connection.client.host if connection.client is not None else "unknown"
 
 
@@ -179,11 +175,11 @@ class Gate:
         self.sessions = AttemptLimiter(clock=clock)
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> Gate:
-        """The gate `config` asks for; KeysFileError for an unusable keys file."""
-        path = config.api_keys_file
-        keys = ApiKeys.load(path) if path is not None else None
-        return cls(keys, allowed_origins=config.allowed_origins)
+    def load(cls, api_keys_file: Path | None, allowed_origins: tuple[str, ...]) -> Gate:
+        """The gate of a keys file (None: keys off) and the allowed origins; KeysFileError for
+        an unusable keys file."""
+        keys = ApiKeys.load(api_keys_file) if api_keys_file is not None else None
+        return cls(keys, allowed_origins=allowed_origins)
 
     def check(self, address: str, session: str | None = None) -> None:
         waits = [self.addresses.retry_after(address)]
@@ -250,3 +246,26 @@ def cache_salt_for(tenant: str, cache_salt: str | None = None) -> str:
     if tenant == DEFAULT_TENANT and cache_salt is None:
         return ""
     return f"tenant:{len(tenant)}:{tenant}|salt:{cache_salt or ''}"
+
+
+def normalize_origin(origin: str) -> str:
+    """`origin` as browsers send it in `Origin`: `scheme://host[:port]` in lower case, the
+    scheme's default port left out. ValueError for anything else (a path, "null")."""
+    try:
+        parts = urllib.parse.urlsplit(origin.strip())
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if (
+        parts is None
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise ValueError(f"not an origin (http[s]://host[:port]): {origin!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    default = 80 if parts.scheme == "http" else 443
+    return f"{parts.scheme}://{host}" + ("" if port in (None, default) else f":{port}")

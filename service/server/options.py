@@ -8,7 +8,7 @@ prefix `kv-tier-` (`codec`: `--kv-tier-codec`, PAGECHAT_KV_TIER_CODEC); a bool i
 command line wins over the environment, the environment over the field's default. Kept free
 of the web stack so that building the CLI parser stays cheap.
 
-    python -m service.api.options docs/config.md   # rewrite the tables between the markers
+    python -m service.server.options docs/config.md   # rewrite the tables between the markers
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.api.config import Limits, ServerConfig
+from service.api.limits import Limits
 from service.engine.config import EngineConfig
-from service.kvtier.config import KVTierConfig
+from service.engine.kvtier.config import KVTierConfig
+from service.server.config import ServerConfig
 from service.settings import HELP, SHOWN_DEFAULT
 
 # Each group's dataclass, in the order of docs/config.md; ServerConfig's `engine` and

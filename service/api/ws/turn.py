@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import redis.exceptions
 
 from protocol.frames import (
@@ -28,10 +29,10 @@ from protocol.frames import (
     Timing,
     Usage,
 )
-from service.api.auth import cache_salt_for
-from service.api.meter import AnswerMeter
-from service.api.metrics import Metrics
-from service.api.sender import ClientGone
+from service.api.access.gate import cache_salt_for
+from service.api.observability.meter import AnswerMeter
+from service.api.observability.metrics import Metrics
+from service.api.ws.sender import ClientGone
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
 from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput
@@ -154,9 +155,14 @@ class Turn:
         else:
             await conversations.wait_for_tail(self.session_id)
             scope = conversations.scope(cache_salt_for(self.tenant), self.session_id, meta.system)
+            # The answer's length, asked or the default, within what the context has left.
+            room = max_len - len(prompt)
+            params = msgspec.structs.replace(
+                self.params, max_tokens=min(self.params.max_tokens, room)
+            )
             stream = self.engine.generate(
                 prompt,
-                self.params,
+                params,
                 request_id=f"{self.session_id}/{meta.turns}",
                 cache_scope=scope,
             )

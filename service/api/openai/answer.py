@@ -6,17 +6,19 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from starlette.responses import Response
 
-from service.api.meter import AnswerMeter
-from service.api.openai_completions import CompletionRequest
-from service.api.openai_errors import OpenAIError, invalid
-from service.api.openai_request import ChatCompletionRequest, StreamOptions
+from service.api.observability.meter import AnswerMeter
+from service.api.observability.metrics import Metrics
+from service.api.openai.chat_request import ChatCompletionRequest, StreamOptions
+from service.api.openai.completion_request import CompletionRequest
+from service.api.openai.errors import OpenAIError, invalid
 from service.engine.params import SamplingParams
+from service.engine.serving import ServingEngine
 from service.engine.values import (
     CacheScope,
     EngineDeadError,
@@ -24,9 +26,6 @@ from service.engine.values import (
     RequestError,
     RequestOutput,
 )
-
-if TYPE_CHECKING:
-    from service.api.service import ChatService
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
@@ -38,30 +37,31 @@ class Answer:
 
     def __init__(
         self,
-        service: ChatService,
+        engine: ServingEngine,
+        metrics: Metrics,
+        release: Callable[[], None],  # gives its in-flight slot back
         req: AnyRequest,
         prompt: list[int],
         params: SamplingParams,
-        key: str,
         received: float,  # time.monotonic() when the request arrived
         scope: CacheScope | None,
         model: str,
     ) -> None:
-        self.service = service
+        self.engine = engine
+        self._release = release
         self.scope = scope
         self.req = req
         self.prompt = prompt
         self.params = params
-        self.key = key  # its slot among the server's in-flight answers
         self.chat = isinstance(req, ChatCompletionRequest)  # else a text completion
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.tokenizer = service.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0
-        self.meter = AnswerMeter(service.metrics, received)
+        self.meter = AnswerMeter(metrics, received)
         self._reasons: list[str] = []  # finish reason of each sample that finished
         self._offsets = [0] * params.n  # each text choice's length so far (text_offset)
         self._closed = False
@@ -71,14 +71,14 @@ class Answer:
         if self._closed:
             return
         self._closed = True
-        self.service.end_turn(self.key)
+        self._release()
         # Samples that did not finish: the client left, or the engine failed, first.
         unfinished = ["disconnected"] * (self.params.n - len(self._reasons))
         self.meter.end([*self._reasons, *unfinished])
 
     def _outputs(self) -> AsyncIterator[RequestOutput]:
-        return self.service.engine.generate(
-            self.prompt, self.params, request_id=f"{self.key}/0", cache_scope=self.scope
+        return self.engine.generate(
+            self.prompt, self.params, request_id=f"http:{self.id}/0", cache_scope=self.scope
         )
 
     def usage(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import hashlib
 
 import msgspec
 
-from service.api.stats import TierStats, tier_stats
+from service.api.observability.stats import TierStats, tier_stats
 from service.engine.values import KVSnapshot, KVTierStats, SlotState, Tier
 
 SLOT_CHARS = {

@@ -1,5 +1,5 @@
 """The API keys in front of the HTTP endpoints: a refused request answers in OpenAI's error
-shape (service.api.openai_errors), whatever endpoint it asked for."""
+shape (service.api.openai.errors), whatever endpoint it asked for."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.auth import Gate, Principal, bearer, client_address
-from service.api.metrics import Metrics
-from service.api.openai_errors import OpenAIError, refusal_error
+from service.api.access.gate import Gate, Principal, bearer, client_address
+from service.api.observability.metrics import Metrics
+from service.api.openai.errors import OpenAIError, refusal_error
 from service.api.refusal import Refusal
 
 Endpoint = Callable[[Request], Awaitable[Response]]

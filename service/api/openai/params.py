@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from service.api.config import Limits
-from service.api.openai_errors import context_exceeded, invalid
-from service.api.sampling import Refused, SamplingRefused, sampling_params
+from service.api.limits import Limits
+from service.api.openai.errors import context_exceeded, invalid
+from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
 from service.engine.params import SamplingParams
 
 
@@ -95,8 +95,8 @@ def engine_params(
             logprobs=logprobs,
             logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
         )
-    except SamplingRefused as exc:
-        if exc.why is Refused.CONTEXT:
+    except SamplingError as exc:
+        if exc.kind is SamplingErrorKind.CONTEXT:
             raise context_exceeded(prompt_tokens, max_model_len, asked or 0) from None
         raise invalid(str(exc), logprobs_param if exc.param == "logprobs" else exc.param) from None
 

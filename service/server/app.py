@@ -20,12 +20,12 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from service.api import kv_view, stats
-from service.api.connection import ChatConnection
-from service.api.guard import Guard
-from service.api.openai import ChatCompletions, http_error
-from service.api.service import ChatService
+from service.api.access.guard import Guard
+from service.api.observability import kv_view, stats
+from service.api.openai.routes import OpenAIRoutes, http_error
+from service.api.ws.connection import ChatConnection
 from service.engine.values import EngineDeadError
+from service.server.hub import Hub
 
 _json = msgspec.json.Encoder()
 WEB = Path(__file__).with_name("web")
@@ -41,31 +41,31 @@ FAVICON_SVG = (
 )
 
 
-def create_app(service: ChatService) -> Starlette:
+def create_app(hub: Hub) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await service.start()
+        await hub.start()
         try:
             yield
         finally:
-            await service.stop()
+            await hub.stop()
 
     async def chat(websocket: WebSocket) -> None:
-        await ChatConnection(websocket, service).serve()
+        await ChatConnection(websocket, hub.chat_parts()).serve()
 
     async def health(request: Request) -> Response:
         problems = []
-        if service.engine_failure is not None:
-            problems.append(f"engine failed: {service.engine_failure!r}")
-        if service.draining:
+        if hub.engine_failure is not None:
+            problems.append(f"engine failed: {hub.engine_failure!r}")
+        if hub.admission.draining:
             problems.append("shutting down")
         try:
-            await service.store.ping()
+            await hub.store.ping()
         except redis.exceptions.RedisError as exc:
             problems.append(f"redis: {exc}")
         if problems:
             return JSONResponse({"status": "unavailable", "problems": problems}, status_code=503)
-        return JSONResponse({"status": "ok", "model": service.engine.model_id})
+        return JSONResponse({"status": "ok", "model": hub.engine.model_id})
 
     async def stats_json(request: Request) -> Response:
         try:
@@ -77,7 +77,7 @@ def create_app(service: ChatService) -> Starlette:
                 {"error": f"lag_window_s must be a number of seconds in (0, {MAX_LAG_WINDOW_S:g}]"},
                 status_code=400,
             )
-        body = _json.encode(stats.collect(service, lag_window_s=window))
+        body = _json.encode(stats.collect(hub.engine, hub.admission, hub.lag, lag_window_s=window))
         return Response(body, media_type="application/json")
 
     async def kv_json(request: Request) -> Response:
@@ -91,15 +91,15 @@ def create_app(service: ChatService) -> Starlette:
             )
         try:
             snapshot = await asyncio.wait_for(
-                service.engine.kv_snapshot(max_sequences), KV_SNAPSHOT_TIMEOUT_S
+                hub.engine.kv_snapshot(max_sequences), KV_SNAPSHOT_TIMEOUT_S
             )
         except (EngineDeadError, TimeoutError) as exc:
             return JSONResponse({"error": f"no KV snapshot: {exc!r}"}, status_code=503)
-        body = _json.encode(kv_view.view(snapshot, service.engine.stats().kv_tier))
+        body = _json.encode(kv_view.view(snapshot, hub.engine.stats().kv_tier))
         return Response(body, media_type="application/json")
 
-    completions = ChatCompletions(service)
-    guarded = Guard(service.gate, service.metrics)
+    openai = OpenAIRoutes(hub.openai_parts)
+    guarded = Guard(hub.gate, hub.metrics)
     chat_page = (WEB / "chat.html").read_text()
     kv_page = (WEB / "kv.html").read_text()
 
@@ -116,22 +116,20 @@ def create_app(service: ChatService) -> Starlette:
         )
 
     async def metrics(request: Request) -> Response:
-        return Response(
-            service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(hub.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return Starlette(
         routes=[
             WebSocketRoute("/v1/chat", chat),
             Route("/health", health),
-            # API keys, when on (service.api.auth): an admin's for the server's insides, any
+            # API keys, when on (service.api.access.gate): an admin's for the server's insides, any
             # for the model; /health and /metrics stay open (probes and scrapers).
             Route("/v1/stats", guarded(stats_json, admin=True)),
             Route("/v1/kv", guarded(kv_json, admin=True)),
-            Route("/v1/chat/completions", guarded(completions.create), methods=["POST"]),
-            Route("/v1/completions", guarded(completions.create_text), methods=["POST"]),
-            Route("/v1/models", guarded(completions.models)),
-            Route("/v1/models/{name:path}", guarded(completions.model)),
+            Route("/v1/chat/completions", guarded(openai.create), methods=["POST"]),
+            Route("/v1/completions", guarded(openai.create_text), methods=["POST"]),
+            Route("/v1/models", guarded(openai.models)),
+            Route("/v1/models/{name:path}", guarded(openai.model)),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_page_view),
@@ -141,7 +139,7 @@ def create_app(service: ChatService) -> Starlette:
         # Unknown routes and methods, and errors no endpoint caught, answer in OpenAI's
         # error shape under /v1/.
         exception_handlers={404: http_error, 405: http_error, Exception: http_error},
-        middleware=_cors(service.config.cors_allowed_origins),
+        middleware=_cors(hub.config.cors_allowed_origins),
     )
 
 

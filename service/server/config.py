@@ -1,94 +1,26 @@
 """Server settings: where to listen, which Redis, and every limit in one dataclass.
 
 `pagechat serve` fills these from its options, each of which defaults to a PAGECHAT_*
-environment variable; both are made from the fields here (`service.api.options`).
+environment variable; both are made from the fields here (`service.server.options`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service.api.access.gate import normalize_origin
+from service.api.limits import Limits
 from service.engine.config import EngineConfig
 from service.settings import setting
 
 
 @dataclass(slots=True)
-class Limits:
-    """What one client may ask for, and what the server takes on at once.
-
-    Every limit is enforced with an error (docs/protocol.md), never a crash.
-    """
-
-    max_connections: int = setting(
-        512,
-        "open WebSockets; the next one gets `too_many_connections`. Also the size of the Redis"
-        " connection pool, which waits up to 10 s for a free connection rather than failing",
-    )
-    max_inflight_turns: int = setting(
-        256, "answers queued or running, WebSocket and HTTP; the next one gets `overloaded`"
-    )
-    max_frame_bytes: int = setting(
-        64 * 1024, "largest frame a client may send; a larger one gets `frame_too_large`"
-    )
-    ws_max_size: int = setting(
-        1024 * 1024,
-        "the transport's own cap (>= `max_frame_bytes`): a larger frame closes the connection"
-        " (1009) before the server reads it; also the largest HTTP body",
-    )
-    max_message_chars: int = setting(16_000, "characters in a user message or a prompt")
-    max_system_chars: int = setting(8_000, "characters in a system prompt")
-    default_max_tokens: int = setting(512, "an answer's max_tokens when it gives none")
-    max_tokens: int = setting(2048, "the most max_tokens an answer may ask for")
-    session_ttl_s: int = setting(
-        7 * 24 * 3600,
-        "seconds a session's Redis keys live after its latest activity (open, resume, a turn)",
-    )
-    drain_timeout_s: float = setting(
-        10.0,
-        "seconds answers in flight get at shutdown; the rest are cancelled, stored and"
-        " reported `shutdown`",
-    )
-    send_queue_frames: int = setting(
-        1024, "frames queued for one client before it counts as stalled"
-    )
-    send_timeout_s: float = setting(
-        15.0,
-        "seconds a client may leave a frame unread (or the queue full) before it is dropped,"
-        " its answer stored as far as it got",
-    )
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_connections",
-            "max_inflight_turns",
-            "max_frame_bytes",
-            "max_message_chars",
-            "max_system_chars",
-            "default_max_tokens",
-            "max_tokens",
-            "session_ttl_s",
-            "send_queue_frames",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.ws_max_size < self.max_frame_bytes:
-            raise ValueError("ws_max_size must be >= max_frame_bytes")
-        if self.default_max_tokens > self.max_tokens:
-            raise ValueError("default_max_tokens must be <= max_tokens")
-        if self.drain_timeout_s < 0:
-            raise ValueError("drain_timeout_s must be >= 0")
-        if not self.send_timeout_s > 0:
-            raise ValueError("send_timeout_s must be > 0")
-
-
-@dataclass(slots=True)
 class ServerConfig:
     """Each field but `engine` and `limits` (groups of their own) is an option of `pagechat
-    serve` (service.api.options) and a row of docs/config.md, both written from its help."""
+    serve` (service.server.options) and a row of docs/config.md, both written from its help."""
 
     host: str = setting("127.0.0.1", "interface to listen on")
     port: int = setting(8000, "port to listen on (0: any free port, logged at start-up)")
@@ -177,26 +109,3 @@ class ServerConfig:
                 raise ValueError(
                     f"trusted proxy {proxy!r} is neither an IP address nor a network"
                 ) from None
-
-
-def normalize_origin(origin: str) -> str:
-    """`origin` as browsers send it in `Origin`: `scheme://host[:port]` in lower case, the
-    scheme's default port left out. ValueError for anything else (a path, "null")."""
-    try:
-        parts = urllib.parse.urlsplit(origin.strip())
-        port = parts.port
-    except ValueError:
-        parts, port = None, None
-    if (
-        parts is None
-        or parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or parts.username is not None
-        or parts.path not in ("", "/")
-        or parts.query
-        or parts.fragment
-    ):
-        raise ValueError(f"not an origin (http[s]://host[:port]): {origin!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    default = 80 if parts.scheme == "http" else 443
-    return f"{parts.scheme}://{host}" + ("" if port in (None, default) else f":{port}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from service.api.loop_lag import LagSummary
-from service.api.service import ChatService
+from service.api.admission import Admission
+from service.api.observability.loop_lag import LagSummary, LoopLagMonitor
+from service.engine.serving import ServingEngine
 from service.engine.values import KVTierStats, PoolUsage
 
 
@@ -135,8 +136,12 @@ def _pool(usage: PoolUsage) -> Pool:
     return Pool(total=usage.total, free=usage.free, cached=usage.cached, in_use=usage.in_use)
 
 
-def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
-    engine = service.engine
+def collect(
+    engine: ServingEngine,
+    admission: Admission,
+    lag: LoopLagMonitor,
+    lag_window_s: float = 60.0,
+) -> Stats:
     s = engine.stats()
     b = s.blocks
     return Stats(
@@ -168,13 +173,13 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
             waiting=s.num_waiting,
             running=s.num_running,
             swapped=s.num_swapped,
-            inflight_turns=len(service.busy_sessions),
+            inflight_turns=admission.answers_in_flight,
         ),
         sessions=SessionStats(
-            open_connections=len(service.connections),
-            attached=sum(c.session_id is not None for c in service.connections),
-            answering=len(service.busy_sessions),
-            draining=service.draining,
+            open_connections=len(admission.connections),
+            attached=sum(c.session_id is not None for c in admission.connections),
+            answering=len(admission.answering_sessions),
+            draining=admission.draining,
         ),
         engine=EngineCounters(
             steps=s.steps,
@@ -183,6 +188,6 @@ def collect(service: ChatService, lag_window_s: float = 60.0) -> Stats:
             tokens_generated=s.tokens_generated,
             step_overhead_share=s.timing.overhead_share,
         ),
-        event_loop_lag=service.lag.summary(lag_window_s),
+        event_loop_lag=lag.summary(lag_window_s),
         kv_tier=tier_stats(s.kv_tier) if s.kv_tier is not None else None,
     )

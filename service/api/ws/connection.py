@@ -17,7 +17,8 @@ import contextlib
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis.exceptions
 from starlette.types import Message
@@ -39,16 +40,18 @@ from protocol.frames import (
     User,
     UserParams,
 )
-from service.api.auth import bearer, client_address
+from service.api.access.gate import Gate, bearer, client_address
+from service.api.admission import Admission
+from service.api.limits import Limits
+from service.api.observability.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
-from service.api.sampling import Refused, SamplingRefused, sampling_params
-from service.api.sender import ClientGone, FrameSender
-from service.api.turn import Turn
+from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
+from service.api.ws.sender import ClientGone, FrameSender
+from service.api.ws.turn import Turn
 from service.engine.params import SamplingParams
+from service.engine.serving import ServingEngine
+from service.sessions.conversation_cache import ConversationCache
 from service.sessions.store import SessionNotFound, SessionStore, WrongSecret
-
-if TYPE_CHECKING:
-    from service.api.service import ChatService
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +102,23 @@ class InvalidTransition(RuntimeError):
     pass
 
 
+@dataclass(slots=True, frozen=True)
+class ChatParts:
+    """What a /v1/chat connection works with; the server hands them over once started."""
+
+    limits: Limits
+    gate: Gate
+    admission: Admission
+    engine: ServingEngine
+    conversations: ConversationCache
+    metrics: Metrics
+    stores: Callable[[str], SessionStore]  # a tenant's sessions
+
+
 class ChatConnection:
-    def __init__(self, websocket: WebSocket, service: ChatService) -> None:
+    def __init__(self, websocket: WebSocket, parts: ChatParts) -> None:
         self.websocket = websocket
-        self.service = service
+        self.parts = parts
         self.state = State.CONNECTING
         self.session_id: str | None = None
         # Set with the session: the tenant whose key opened it, and that tenant's sessions.
@@ -122,7 +138,7 @@ class ChatConnection:
     # ------------------------------------------------------------------ lifecycle
 
     async def serve(self) -> None:
-        if not self.service.gate.origin_allowed(self.websocket.headers):
+        if not self.parts.gate.origin_allowed(self.websocket.headers):
             # A page of another site, in a visitor's browser: refused before the handshake
             # is answered, which the client sees as HTTP 403.
             log.info("refused a WebSocket from origin %r", self.websocket.headers.get("origin"))
@@ -132,14 +148,14 @@ class ChatConnection:
             return
         await self.websocket.accept(MSGPACK_SUBPROTOCOL if self._codec.binary else None)
         self._move(State.ACCEPTED)
-        limits = self.service.config.limits
+        limits = self.parts.limits
         self._sender = FrameSender(
             self.websocket,
             self._codec,
             max_frames=limits.send_queue_frames,
             timeout_s=limits.send_timeout_s,
         )
-        refusal = self.service.admit(self)
+        refusal = self.parts.admission.admit(self)
         try:
             if refusal is not None:
                 error = refusal_frame(refusal)
@@ -173,10 +189,10 @@ class ChatConnection:
             await asyncio.wait([self._turn_task])
         if self.state is not State.CLOSED:
             self._move(State.CLOSED)
-        self.service.release(self)
+        self.parts.admission.release(self)
 
     async def _read_frames(self) -> None:
-        limits = self.service.config.limits
+        limits = self.parts.limits
         while True:
             message = await self._receive()
             if message is None or message["type"] == "websocket.disconnect":
@@ -226,23 +242,23 @@ class ChatConnection:
             await self._resume(frame)
 
     async def _open(self, frame: Open) -> None:
-        service = self.service
+        parts = self.parts
         key = frame.api_key or bearer(self.websocket.headers)
-        principal = service.gate.authenticate(key, client_address(self.websocket))
-        limit = service.config.limits.max_system_chars
+        principal = parts.gate.authenticate(key, client_address(self.websocket))
+        limit = parts.limits.max_system_chars
         if frame.system is not None and len(frame.system) > limit:
             raise FrameError(
                 ErrorCode.MESSAGE_TOO_LONG, f"the system prompt is over {limit} characters"
             )
-        store = service.store_for(principal.tenant)
+        store = parts.stores(principal.tenant)
         try:
-            new = await store.create(model_id=service.engine.model_id, system=frame.system)
+            new = await store.create(model_id=parts.engine.model_id, system=frame.system)
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
         self.session_id = new.meta.session_id
         self.tenant, self.store = principal.tenant, store
         self._move(State.READY)
-        service.metrics.sessions_opened.labels("created").inc()
+        parts.metrics.sessions_opened.labels("created").inc()
         await self.send(
             SessionOpened(
                 session_id=new.meta.session_id,
@@ -255,10 +271,10 @@ class ChatConnection:
         )
 
     async def _resume(self, frame: Resume) -> None:
-        gate, address = self.service.gate, client_address(self.websocket)
+        gate, address = self.parts.gate, client_address(self.websocket)
         principal = gate.authenticate(frame.api_key or bearer(self.websocket.headers), address)
         attempt = gate.resume_attempt(address, principal.tenant, frame.session_id)
-        store = self.service.store_for(principal.tenant)
+        store = self.parts.stores(principal.tenant)
         try:
             meta = await store.authenticate(frame.session_id, frame.secret)
             _, page_map = await store.load(frame.session_id)
@@ -275,7 +291,7 @@ class ChatConnection:
         self.session_id = meta.session_id
         self.tenant, self.store = principal.tenant, store
         self._move(State.READY)
-        self.service.metrics.sessions_opened.labels("resumed").inc()
+        self.parts.metrics.sessions_opened.labels("resumed").inc()
         await self.send(
             SessionOpened(
                 session_id=meta.session_id,
@@ -294,7 +310,7 @@ class ChatConnection:
             raise FrameError(ErrorCode.NO_SESSION, "send open or resume first")
         if self.state is State.STREAMING:
             raise FrameError(ErrorCode.BUSY, "an answer is streaming; wait for done or cancel")
-        limits = self.service.config.limits
+        limits = self.parts.limits
         if len(frame.content) > limits.max_message_chars:
             raise FrameError(
                 ErrorCode.MESSAGE_TOO_LONG,
@@ -303,16 +319,16 @@ class ChatConnection:
             )
         params = self._params(frame.params)
         assert self.session_id is not None
-        refusal = self.service.begin_turn(self.session_id)
+        refusal = self.parts.admission.begin_turn(self.session_id)
         if refusal is not None:
             raise refusal_frame(refusal)
         self._move(State.STREAMING)
         assert self.store is not None and self.tenant is not None  # set with the session
-        service = self.service
+        parts = self.parts
         turn = Turn(
-            service.engine,
-            service.conversations,
-            service.metrics,
+            parts.engine,
+            parts.conversations,
+            parts.metrics,
             self.store,
             self.tenant,
             self.session_id,
@@ -325,7 +341,7 @@ class ChatConnection:
         self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
 
     def _params(self, asked: UserParams) -> SamplingParams:
-        limits = self.service.config.limits
+        limits = self.parts.limits
         try:
             return sampling_params(
                 limits,
@@ -339,8 +355,8 @@ class ChatConnection:
                 ignore_eos=asked.ignore_eos,
                 logprobs=asked.logprobs,
             )
-        except SamplingRefused as exc:
-            over = exc.why is Refused.OVER_LIMIT
+        except SamplingError as exc:
+            over = exc.kind is SamplingErrorKind.OVER_LIMIT
             code = ErrorCode.MAX_TOKENS_TOO_LARGE if over else ErrorCode.INVALID_PARAMS
             raise FrameError(code, str(exc)) from None
 
@@ -355,7 +371,7 @@ class ChatConnection:
             log.exception("turn of session %s failed", turn.session_id)
             await self._send_error_quietly(FrameError(ErrorCode.INTERNAL, "internal error"))
         finally:
-            self.service.end_turn(turn.session_id)
+            self.parts.admission.end_turn(turn.session_id)
             self._turn = None
             if self.state is State.STREAMING:
                 self._move(State.READY)
@@ -373,7 +389,7 @@ class ChatConnection:
         await self.sender.send(frame)
 
     async def _send_error(self, exc: FrameError) -> None:
-        self.service.metrics.errors.labels(exc.code.value).inc()
+        self.parts.metrics.errors.labels(exc.code.value).inc()
         await self.send(exc.frame())
 
     async def _send_error_quietly(self, exc: FrameError) -> None:

@@ -2,28 +2,26 @@
 
 The prompt is a string, or token ids, or a list holding one of those; it is tokenized as
 plain text (no chat template, no special tokens). Nulls mean the default, as for chat
-(service.api.openai_request); `echo`, `suffix` and `best_of` other than `n` are refused.
+(service.api.openai.chat_request); `echo`, `suffix` and `best_of` other than `n` are refused.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from service.api.config import Limits
-from service.api.openai_errors import (
+from service.api.limits import Limits
+from service.api.openai.chat_request import StreamOptions
+from service.api.openai.errors import (
     context_exceeded,
     decode_error,
     invalid,
     model_not_found,
     unsupported,
 )
-from service.api.openai_params import engine_params, refuse_penalties
-from service.api.openai_request import StreamOptions
+from service.api.openai.params import engine_params, refuse_penalties
 from service.engine.params import SamplingParams
 from service.engine.values import TextTokenizer
 
-# OpenAI's and vLLM's default for a text completion, far below a chat answer's.
-DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 
 # A string, token ids, or a list of prompts (msgspec takes one list type in a union).
@@ -42,7 +40,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     stop: str | list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None  # this many top log-probabilities per token
-    # vLLM's (service.api.openai_request.ChatCompletionRequest says how).
+    # vLLM's (service.api.openai.chat_request.ChatCompletionRequest says how).
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -122,7 +120,7 @@ def completion_params(
     vocab_size: int | None = None,
 ) -> SamplingParams:
     room = max_model_len - prompt_tokens
-    default = min(DEFAULT_MAX_TOKENS, limits.max_tokens, room)
+    default = min(limits.default_completion_tokens, room)
     return engine_params(
         req,
         limits,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from service.api.metrics import Metrics
+from service.api.observability.metrics import Metrics
 from service.engine.values import RequestOutput
 
 

@@ -16,11 +16,11 @@ import sys
 
 import uvicorn
 
-from service.api.app import create_app
-from service.api.config import ServerConfig
-from service.api.options import config_from_args
-from service.api.service import ChatService
 from service.engine.loader import LoadedModel
+from service.server.app import create_app
+from service.server.config import ServerConfig
+from service.server.hub import Hub
+from service.server.options import config_from_args
 
 # The exit status when the engine thread died: distinct from 1 (an unclean stop) so that a
 # supervisor's logs tell the two apart; either way it restarts the process.
@@ -28,11 +28,11 @@ EXIT_ENGINE_FAILED = 3
 
 
 class PagechatServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: ChatService) -> None:
+    def __init__(self, config: uvicorn.Config, hub: Hub) -> None:
         super().__init__(config)
-        self.service = service
+        self.hub = hub
         self.exit_code: int | None = None  # set when the server stops itself
-        service.on_fatal = self._engine_failed
+        hub.on_fatal = self._engine_failed
 
     def _engine_failed(self) -> None:
         self.exit_code = EXIT_ENGINE_FAILED
@@ -41,14 +41,14 @@ class PagechatServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()  # stop accepting before the drain, not after it
-        await self.service.drain()
+        await self.hub.drain()
         await super().shutdown(sockets)
 
 
 def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> PagechatServer:
-    service = ChatService(config, loaded)
+    hub = Hub(config, loaded)
     uv_config = uvicorn.Config(
-        create_app(service),
+        create_app(hub),
         host=config.host,
         port=config.port,
         uds=config.uds,
@@ -63,7 +63,7 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         log_config=None,
         timeout_graceful_shutdown=int(config.limits.drain_timeout_s) + 10,
     )
-    return PagechatServer(uv_config, service)
+    return PagechatServer(uv_config, hub)
 
 
 class ClientFaultFilter(logging.Filter):
@@ -105,4 +105,4 @@ def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
         return 1
     if server.exit_code is not None:
         return server.exit_code
-    return 0 if server.service.balanced_at_exit else 1
+    return 0 if server.hub.balanced_at_exit else 1

@@ -1,9 +1,10 @@
-"""ChatService: what one server process holds, and who may take how much of it.
+"""Hub: what one server process holds, wired together: started, handed to the transports,
+drained and stopped.
 
 Owners: the engine (a ServingEngine: the AsyncEngine's thread) owns the KV cache; the
-SessionStore owns Redis I/O; the ConversationCache owns the tail prefills; the connections
-own their sockets. This class wires them, admits connections and answers under the limits,
-and drains them on shutdown.
+SessionStore owns Redis I/O; the ConversationCache owns the tail prefills; `Admission` owns
+the counts of connections and answers; the connections own their sockets. Each transport gets
+the parts it works with (`chat_parts`, `openai_parts`), never the hub itself.
 """
 
 from __future__ import annotations
@@ -11,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
-from service.api.auth import DEFAULT_TENANT, Gate
-from service.api.config import ServerConfig
-from service.api.loop_lag import LoopLagMonitor
-from service.api.metrics import Metrics
-from service.api.refusal import Refusal, RefusalReason
+from service.api.access.gate import DEFAULT_TENANT, Gate
+from service.api.admission import Admission
+from service.api.observability.loop_lag import LoopLagMonitor
+from service.api.observability.metrics import Metrics
+from service.api.openai.routes import OpenAIParts
+from service.api.ws.connection import ChatParts
 from service.engine.async_engine import AsyncEngine
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
 from service.engine.serving import ServingEngine
 from service.engine.values import KVInvariantError
+from service.server.config import ServerConfig
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.prompt import ChatFormat
 from service.sessions.redis_server import EmbeddedRedis, connect
@@ -31,18 +33,7 @@ from service.sessions.store import SessionStore
 log = logging.getLogger(__name__)
 
 
-class Connection(Protocol):
-    """What the service needs of an open connection (service.api.connection.ChatConnection)."""
-
-    @property
-    def session_id(self) -> str | None: ...
-
-    async def shutdown(self) -> None:
-        """End the answer in flight (stored, reported), say why, close."""
-        ...
-
-
-class ChatService:
+class Hub:
     def __init__(
         self,
         config: ServerConfig,
@@ -57,22 +48,19 @@ class ChatService:
         self._engine: ServingEngine | None = None
         self._store: SessionStore | None = None
         self._tenant_stores: dict[str, SessionStore] = {}  # store_for: the other tenants
-        self.gate = Gate.from_config(config)  # API keys, origins, the failed-attempt limiter
+        # API keys, origins, the failed-attempt limiter
+        self.gate = Gate.load(config.api_keys_file, config.allowed_origins)
         self._conversations: ConversationCache | None = None
         self._embedded: EmbeddedRedis | None = None
         self.metrics = Metrics(lambda: self.engine.stats(), lambda: self.served_model_names[0])
         self.lag = LoopLagMonitor(
             config.lag_interval_s, observe=self.metrics.event_loop_lag.observe
         )
-        self.connections: set[Connection] = set()
-        self.busy_sessions: set[str] = set()  # sessions with an answer in flight
-        self.draining = False
+        self.admission = Admission(config.limits, self.metrics)
         # Set when the engine thread dies: /health answers 503 and `on_fatal` stops the server.
         self.engine_failure: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # the server sets it: exit non-zero
         self.balanced_at_exit: bool | None = None  # set by stop(): KV pools balanced?
-        self._idle = asyncio.Event()  # no answer in flight
-        self._idle.set()
 
     # ------------------------------------------------------------------ parts
 
@@ -99,13 +87,7 @@ class ChatService:
             return self.store
         store = self._tenant_stores.get(tenant)
         if store is None:
-            base = self.store
-            store = SessionStore(
-                base._redis,  # shared, and closed once, with the default store
-                prefix=f"{base.prefix}t:{tenant}:",
-                ttl_s=base.ttl_s,
-                replica=base.replica,
-            )
+            store = self.store.under(f"{self.store.prefix}t:{tenant}:")
             self._tenant_stores[tenant] = store
         return store
 
@@ -125,6 +107,29 @@ class ChatService:
         """The model names this server answers to (--served-model-name; else the model's id),
         the first the one it reports (/v1/models, the metrics' model_name)."""
         return self.config.served_model_name or (self.engine.model_id,)
+
+    def chat_parts(self) -> ChatParts:
+        """What a /v1/chat connection works with (once started)."""
+        return ChatParts(
+            limits=self.config.limits,
+            gate=self.gate,
+            admission=self.admission,
+            engine=self.engine,
+            conversations=self.conversations,
+            metrics=self.metrics,
+            stores=self.store_for,
+        )
+
+    def openai_parts(self) -> OpenAIParts:
+        """What the OpenAI endpoints work with (once started)."""
+        return OpenAIParts(
+            limits=self.config.limits,
+            engine=self.engine,
+            chat_format=self.chat_format,
+            admission=self.admission,
+            metrics=self.metrics,
+            names=self.served_model_names,
+        )
 
     @property
     def _redis_pool_size(self) -> int:
@@ -194,17 +199,15 @@ class ChatService:
     async def drain(self) -> None:
         """Refuse new work, give answers `drain_timeout_s` to finish, then end every
         connection: its answer is cancelled, stored and reported, and the socket closed."""
-        self.draining = True
+        admission = self.admission
         if self._conversations is not None:
             self._conversations.close()
         timeout = self.config.limits.drain_timeout_s
-        if not self._idle.is_set():
-            log.info("waiting up to %.1fs for %d answers", timeout, len(self.busy_sessions))
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout)
-            except TimeoutError:
-                log.info("cancelling %d answers", len(self.busy_sessions))
-        await asyncio.gather(*(c.shutdown() for c in list(self.connections)))
+        if admission.answers_in_flight:
+            log.info("waiting up to %.1fs for %d answers", timeout, admission.answers_in_flight)
+        if not await admission.drain(timeout):
+            log.info("cancelling %d answers", admission.answers_in_flight)
+        await asyncio.gather(*(c.shutdown() for c in list(admission.connections)))
 
     async def stop(self) -> None:
         await self.lag.stop()
@@ -225,43 +228,3 @@ class ChatService:
             await self._store.close()
         if self._embedded is not None:
             await asyncio.to_thread(self._embedded.stop)
-
-    # ------------------------------------------------------------------ admission
-
-    def admit(self, connection: Connection) -> Refusal | None:
-        if self.draining:
-            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
-        limit = self.config.limits.max_connections
-        if len(self.connections) >= limit:
-            return Refusal(
-                RefusalReason.TOO_MANY_CONNECTIONS,
-                f"the server has {limit} open connections; retry later",
-            )
-        self.connections.add(connection)
-        self.metrics.open_connections.set(len(self.connections))
-        return None
-
-    def release(self, connection: Connection) -> None:
-        self.connections.discard(connection)
-        self.metrics.open_connections.set(len(self.connections))
-
-    def begin_turn(self, session_id: str) -> Refusal | None:
-        if self.draining:
-            return Refusal(RefusalReason.SHUTTING_DOWN, "the server is shutting down")
-        if session_id in self.busy_sessions:
-            return Refusal(RefusalReason.BUSY, "this session is answering on another connection")
-        limit = self.config.limits.max_inflight_turns
-        if len(self.busy_sessions) >= limit:
-            return Refusal(
-                RefusalReason.OVERLOADED, f"the server is answering {limit} messages; retry later"
-            )
-        self.busy_sessions.add(session_id)
-        self._idle.clear()
-        self.metrics.inflight_turns.set(len(self.busy_sessions))
-        return None
-
-    def end_turn(self, session_id: str) -> None:
-        self.busy_sessions.discard(session_id)
-        self.metrics.inflight_turns.set(len(self.busy_sessions))
-        if not self.busy_sessions:
-            self._idle.set()

@@ -17,37 +17,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from service.api.auth import cache_salt_for
-from service.api.guard import principal_of
-from service.api.openai_answer import Answer, AnyRequest
-from service.api.openai_completions import (
+from service.api.access.gate import cache_salt_for
+from service.api.access.guard import principal_of
+from service.api.admission import Admission
+from service.api.limits import Limits
+from service.api.observability.metrics import Metrics
+from service.api.openai.answer import Answer, AnyRequest
+from service.api.openai.chat_request import (
+    ChatCompletionRequest,
+    chat_params,
+    decode_request,
+    render_prompt,
+)
+from service.api.openai.completion_request import (
     CompletionRequest,
     completion_params,
     completion_prompt,
     decode_completion_request,
 )
-from service.api.openai_errors import OpenAIError, model_not_found, refusal_error
-from service.api.openai_request import (
-    ChatCompletionRequest,
-    decode_request,
-    render_prompt,
-    sampling_params,
-)
-from service.api.sse import EventStream, until_disconnected
+from service.api.openai.errors import OpenAIError, model_not_found, refusal_error
+from service.api.openai.sse import EventStream, until_disconnected
 from service.engine.params import SamplingParams
+from service.engine.serving import ServingEngine
 from service.engine.values import CacheScope
-
-if TYPE_CHECKING:
-    from service.api.service import ChatService
+from service.sessions.prompt import ChatFormat
 
 _json = msgspec.json.Encoder()
 
@@ -55,16 +57,33 @@ _json = msgspec.json.Encoder()
 # ---------------------------------------------------------------------- the endpoint
 
 
-class ChatCompletions:
-    """The handlers of /v1/chat/completions, /v1/completions and /v1/models."""
+@dataclass(slots=True, frozen=True)
+class OpenAIParts:
+    """What the OpenAI endpoints work with; the server hands them over once started."""
 
-    def __init__(self, service: ChatService) -> None:
-        self.service = service
+    limits: Limits
+    engine: ServingEngine
+    chat_format: ChatFormat
+    admission: Admission
+    metrics: Metrics
+    # The model names this server answers to (--served-model-name), the first the one it
+    # reports.
+    names: tuple[str, ...]
+
+
+class OpenAIRoutes:
+    """The handlers of OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models."""
+
+    def __init__(self, parts: Callable[[], OpenAIParts]) -> None:
+        self._parts = parts
+
+    @property
+    def parts(self) -> OpenAIParts:
+        return self._parts()
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The model names this server answers to (--served-model-name), the first listed."""
-        return self.service.served_model_names
+        return self.parts.names
 
     def _model(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "pagechat"}
@@ -88,17 +107,19 @@ class ChatCompletions:
         return await self._answer(request, self._text)
 
     def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine, self.service.config.limits
+        parts = self.parts
+        engine, limits = parts.engine, parts.limits
         max_model_len = engine.limits.max_model_len
-        req = decode_request(body, self.names)
-        prompt = render_prompt(req, self.service.chat_format, limits, max_model_len)
+        req = decode_request(body, parts.names)
+        prompt = render_prompt(req, parts.chat_format, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
-        return req, prompt, sampling_params(req, limits, len(prompt), max_model_len, vocab)
+        return req, prompt, chat_params(req, limits, len(prompt), max_model_len, vocab)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
-        engine, limits = self.service.engine, self.service.config.limits
+        parts = self.parts
+        engine, limits = parts.engine, parts.limits
         max_model_len = engine.limits.max_model_len
-        req = decode_completion_request(body, self.names)
+        req = decode_completion_request(body, parts.names)
         prompt = completion_prompt(req, engine.tokenizer, limits, max_model_len)
         vocab = engine.tokenizer.vocab_size
         return req, prompt, completion_params(req, limits, len(prompt), max_model_len, vocab)
@@ -109,20 +130,21 @@ class ChatCompletions:
         parse: Callable[[bytes], tuple[AnyRequest, list[int], SamplingParams]],
     ) -> Response:
         received = time.monotonic()
+        parts = self.parts
         try:
-            req, prompt, params = parse(
-                await _body(request, self.service.config.limits.ws_max_size)
-            )
+            req, prompt, params = parse(await _body(request, parts.limits.max_body_bytes))
         except OpenAIError as exc:
             return self._error(exc)
-        key = f"http:{uuid.uuid4().hex}"  # an in-flight answer, as a session's turn is
-        refusal = self.service.begin_turn(key)
+        refusal = parts.admission.begin_answer()
         if refusal is not None:
-            self.service.metrics.errors.labels(refusal.reason.value).inc()
+            parts.metrics.errors.labels(refusal.reason.value).inc()
             return refusal_error(refusal).response()
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
-        model = req.model or self.names[0]  # answers name the model as it was asked for
-        completion = Answer(self.service, req, prompt, params, key, received, scope, model)
+        model = req.model or parts.names[0]  # answers name the model as it was asked for
+        release = parts.admission.end_answer
+        completion = Answer(
+            parts.engine, parts.metrics, release, req, prompt, params, received, scope, model
+        )
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
         answer = asyncio.create_task(completion.whole())
@@ -141,7 +163,7 @@ class ChatCompletions:
         return answer.result()
 
     def _error(self, exc: OpenAIError) -> Response:
-        self.service.metrics.errors.labels(exc.code).inc()
+        self.parts.metrics.errors.labels(exc.code).inc()
         return exc.response()
 
 

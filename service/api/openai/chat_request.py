@@ -15,15 +15,15 @@ from typing import Any
 
 import msgspec
 
-from service.api.config import Limits
-from service.api.openai_errors import (
+from service.api.limits import Limits
+from service.api.openai.errors import (
     context_exceeded,
     decode_error,
     invalid,
     model_not_found,
     unsupported,
 )
-from service.api.openai_params import engine_params, refuse_penalties
+from service.api.openai.params import engine_params, refuse_penalties
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat, TemplateError
 
@@ -123,7 +123,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
-    # Refused whenever given.
+    # SamplingErrorKind whenever given.
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
@@ -224,7 +224,7 @@ def render_prompt(
     return prompt
 
 
-def sampling_params(
+def chat_params(
     req: ChatCompletionRequest,
     limits: Limits,
     prompt_tokens: int,
