@@ -13,9 +13,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+import msgspec
+
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
-from service.engine.params import SamplingParams
+from service.engine.params import DEFAULT_MAX_TOKENS, SamplingParams
 from service.sessions.prompt import ChatFormat
 
 # The engine options `generate` and `chat` take, as `serve` does (service.server.options).
@@ -35,7 +37,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     from service.server.options import add_arguments
 
     add_arguments(parser, ["engine"], only=CLI_ENGINE_FIELDS)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="an answer's length (the server's default), at most what the context has left",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -59,6 +66,8 @@ def _stream_answer(
     engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
 ) -> list[int]:
     """Print the answer as it is generated; return its token ids."""
+    room = engine.max_model_len - len(prompt)  # as the server clamps an answer's length
+    params = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, room))
     engine.add_request(request_id, prompt, params)
     tokens: list[int] = []
     start = time.monotonic()
