@@ -45,7 +45,8 @@ def sampling_params(
     logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
     """An explicit max_tokens is refused under 1 (0 is no answer at all, never "the default":
-    leaving it out is), over the limit, or (given `room`) past what the context holds."""
+    leaving it out is), over the limit, or (given `room`) past what the context holds; the
+    default is cut to `room`."""
     if max_tokens is not None and max_tokens < 1:
         raise SamplingError("max_tokens must be >= 1 (omit it for the default)", "max_tokens")
     if max_tokens is not None and max_tokens > limits.max_tokens:
@@ -62,7 +63,7 @@ def sampling_params(
         )
     try:
         return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=_default(default_max_tokens, room) if max_tokens is None else max_tokens,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -76,6 +77,10 @@ def sampling_params(
         )
     except ValueError as exc:
         raise SamplingError(str(exc), _field_named(str(exc))) from None
+
+
+def _default(default_max_tokens: int, room: int | None) -> int:
+    return default_max_tokens if room is None else min(default_max_tokens, room)
 
 
 def _field_named(message: str) -> str | None:

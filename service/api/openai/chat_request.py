@@ -234,8 +234,7 @@ def chat_params(
     """A chat request's sampling fields as the engine's parameters."""
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    room = max_model_len - prompt_tokens
-    default = min(limits.default_max_tokens, room)
+    default = limits.default_max_tokens
     return engine_params(
         req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size
     )

@@ -119,8 +119,7 @@ def completion_params(
     max_model_len: int,
     vocab_size: int | None = None,
 ) -> SamplingParams:
-    room = max_model_len - prompt_tokens
-    default = min(limits.default_completion_tokens, room)
+    default = limits.default_completion_tokens
     return engine_params(
         req,
         limits,

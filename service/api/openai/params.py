@@ -65,7 +65,7 @@ def engine_params(
     prompt_tokens: int,
     max_model_len: int,
     asked: int | None,  # max_tokens as the request gives it
-    default: int,  # max_tokens when it does not
+    default: int,  # max_tokens when it does not (cut to the room the prompt leaves)
     logprobs: int | None,  # top log-probabilities per token; None: none at all
     vocab_size: int | None = None,  # logit_bias's token ids are below it
     logprobs_param: str = "top_logprobs",  # what the request calls `logprobs`
@@ -73,7 +73,7 @@ def engine_params(
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
     An explicit max_tokens that the context cannot hold is refused (as vLLM does); the
-    default should fit what the context has left."""
+    default is cut to what the context has left."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")

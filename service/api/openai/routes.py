@@ -70,6 +70,15 @@ class OpenAIParts:
     # reports.
     names: tuple[str, ...]
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.limits.max_model_len
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """The context's length and the vocabulary's, which a request's fields must fit."""
+        return self.max_model_len, self.engine.tokenizer.vocab_size
+
 
 class OpenAIRoutes:
     """The handlers of OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models."""
@@ -108,21 +117,15 @@ class OpenAIRoutes:
 
     def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         parts = self.parts
-        engine, limits = parts.engine, parts.limits
-        max_model_len = engine.limits.max_model_len
         req = decode_request(body, parts.names)
-        prompt = render_prompt(req, parts.chat_format, limits, max_model_len)
-        vocab = engine.tokenizer.vocab_size
-        return req, prompt, chat_params(req, limits, len(prompt), max_model_len, vocab)
+        prompt = render_prompt(req, parts.chat_format, parts.limits, parts.max_model_len)
+        return req, prompt, chat_params(req, parts.limits, len(prompt), *parts.sizes)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
         parts = self.parts
-        engine, limits = parts.engine, parts.limits
-        max_model_len = engine.limits.max_model_len
         req = decode_completion_request(body, parts.names)
-        prompt = completion_prompt(req, engine.tokenizer, limits, max_model_len)
-        vocab = engine.tokenizer.vocab_size
-        return req, prompt, completion_params(req, limits, len(prompt), max_model_len, vocab)
+        prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits, parts.max_model_len)
+        return req, prompt, completion_params(req, parts.limits, len(prompt), *parts.sizes)
 
     async def _answer(
         self,
