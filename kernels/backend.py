@@ -52,8 +52,8 @@ class AttentionBackend(Protocol):
 class TorchBackend:
     """The pure-torch reference; the production path on the CPU, where decode rows read the
     paged cache in place through the CPU kernels (`kernels.cpu.ops.paged_decode`: no
-    gathered K/V copy, no padded SDPA; 1.7x faster at one sequence of 300 tokens, 4x at
-    eight, docs/perf.md) when `kernels` are given and the activations are fp32."""
+    gathered K/V copy, no padded SDPA, so faster; by how much is not measured in
+    docs/perf.md) when `kernels` are given and the activations are fp32."""
 
     name = "torch"
 

@@ -158,7 +158,8 @@ def _gather(
     slots: torch.Tensor,  # [prod(...)] int64
 ) -> torch.Tensor:  # [..., Hkv, D]
     """K or V of the given positions. A contiguous cache is one flat index_select over slots,
-    faster on the CPU than indexing blocks and offsets separately (docs/perf.md, "Engine")."""
+    faster on the CPU than indexing blocks and offsets separately (docs/perf-history.md,
+    "Engine: `benchmarks/engine_step.py` with dense dtypes")."""
     if not cache.is_contiguous():
         return cache[blocks, offsets]
     flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [N * bs, Hkv, D]

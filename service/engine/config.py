@@ -1,16 +1,21 @@
 """Engine configuration: one validated dataclass, documented defaults.
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on; the
-measurements are in docs/perf.md (most in "Measured before the project"), not repeated here:
+measurements are in docs/perf-history.md (most in "Measured before the project") and
+docs/perf.md, not repeated here:
 - dtype "auto" is bfloat16 on CUDA. On the CPU the activations' dtype (and the KV cache's)
   and the matmul weights' dtype are what the start-up trial (service/engine/dtype_trial.py)
   finds fastest on this very CPU: all fp32, bf16 weights under fp32 activations, or all bf16,
-  since the right one differs between CPUs (why: docs/perf.md, "Engine").
+  since the right one differs between CPUs (why: docs/perf-history.md, "Engine:
+  `benchmarks/engine_step.py` with dense dtypes").
 - weights "auto" (with dtype and weight_dtype auto, on a CPU with the CPU kernels) serves a
   GGUF's quantized layer matmuls as the file stores them (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
   Q6_K: the bundled model's Q4_1 among them) through the native kernels: the checkpoint's own
   values at its own size. Anything else (a Hugging Face model, explicit dtypes, CUDA) keeps
-  dense weights; int4 and int8 quantize any model when asked (docs/perf.md).
+  dense weights; int4 and int8 quantize any model when asked (docs/perf.md, "Quality per
+  weight format: `benchmarks/perplexity.py`"; their first timings: docs/perf-history.md,
+  "Packed weights (`--weights auto | int4 | int8`), 2026-12-02, AVX512 EPYC (before the
+  stack)").
 - cpu_isa "auto": each CPU kernel's best version this CPU runs, chosen when the process starts
   (kernels/cpu/dispatch.py).
 - kv_cache_dtype "auto" is float16 on the CPU (half the bytes the decode attention reads and
@@ -18,12 +23,13 @@ measurements are in docs/perf.md (most in "Measured before the project"), not re
   fewer flipped a near-tie of the bundled model's greedy answers that float16 kept) and the
   activations' dtype on CUDA.
 - num_threads 1: faster than 2 on the 2-core machines, and leaves a core for the event loop
-  (docs/perf.md, "Measured before the project").
+  (docs/perf-history.md, "Measured before the project").
 - block_size 16: the vLLM default; fragmentation stays under one block per sequence.
 - max_num_batched_tokens 512: bounds how long decoding sessions wait behind a new prompt's
-  prefill chunk (docs/perf.md, "Measured before the project").
+  prefill chunk (docs/perf-history.md, "Measured before the project").
 - cuda_graphs on: without them a decode step of a small batch on a GPU is bound by the host's
-  launch time (docs/perf.md, "Kernels on a GPU"); the CPU ignores it.
+  launch time (docs/perf.md, "Kernels on a GPU: `benchmarks/kernels.py`"); the CPU ignores
+  it.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(
         512,
         "token budget of one step: decodes first, then prefill chunks; bounds how long decoders"
-        " wait behind a new prompt (docs/perf.md)",
+        " wait behind a new prompt (docs/perf-history.md, 'Measured before the project')",
     )
     enable_prefix_caching: bool = setting(
         True,
@@ -152,7 +158,7 @@ class EngineConfig:
     num_threads: int = setting(
         1,
         "torch threads; 1 was faster than 2 on the 2-core machines and leaves a core for the"
-        " event loop (docs/perf.md)",
+        " event loop (docs/perf-history.md, 'Measured before the project')",
     )
     decode_threads: int = setting(
         2,

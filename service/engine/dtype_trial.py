@@ -4,7 +4,8 @@ With `dtype` and `weight_dtype` auto on a CPU with dense weights, EngineConfig a
 `fastest_cpu_dtypes` for the activations' (and the KV cache's) dtype and the matmul weights':
 all fp32, bf16 weights under fp32 activations, or all bf16, whichever runs a decode-sized
 slice of the model fastest here, timed once per process at start-up. The right choice
-differs between CPUs (why: docs/perf.md, "Measured before the project" and "Engine").
+differs between CPUs (why: docs/perf-history.md, "Measured before the project" and
+"Engine: `benchmarks/engine_step.py` with dense dtypes").
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def fastest_cpu_dtypes() -> CpuDtypes:
     projections (with the casts they need when the weights' dtype is not the activations')
     and the attention of 32 sequences over 256 cached tokens (SDPA with a mask and GQA, as the
     torch backend runs it). A matmul alone misleads: a CPU whose bf16 matmuls are fast may
-    run bf16 attention slowly, and bf16 weights under fp32 activations then win (docs/perf.md,
-    "Engine"). A less precise choice must beat the one before it by 20%.
+    run bf16 attention slowly, and bf16 weights under fp32 activations then win
+    (docs/perf-history.md, "Engine: `benchmarks/engine_step.py` with dense dtypes"). A less
+    precise choice must beat the one before it by 20%.
 
     Trials alternate between the choices and the best of each counts, so a neighbour's load
     on a shared machine does not decide. With one torch thread (the engine's default) the

@@ -4,7 +4,8 @@ Loading a model allocates and frees several times its size (the file's tensors c
 permuted; the kernel crossover trial's buffers). glibc keeps freed heap memory resident, and
 after the first large free it raises its mmap threshold (up to 32 MiB), so later buffers of
 that size come from the heap as well and stay resident when freed. On the bundled model that
-held ~30 MB of RSS nobody used (docs/perf.md). Elsewhere than glibc these are no-ops.
+held RSS nobody used (how much is not measured in docs/perf.md). Elsewhere than glibc these
+are no-ops.
 """
 
 from __future__ import annotations

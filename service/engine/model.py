@@ -146,7 +146,8 @@ class Linear(nn.Linear):
 
     On a CPU with AVX512-BF16, bf16 weights halve the bytes a decode step reads and speed up
     the matmuls, while fp32 activations keep the attention on the fast fp32 path (why:
-    docs/perf.md, "Engine"). With equal dtypes the casts are no-ops.
+    docs/perf-history.md, "Engine: `benchmarks/engine_step.py` with dense dtypes"). With equal
+    dtypes the casts are no-ops.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:

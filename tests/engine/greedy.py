@@ -19,7 +19,8 @@ NEAR_TIE = 1e-3
 KV16_NEAR_TIE = 0.03
 # Paths that round to bf16 (dense bf16 weights) move logits by far more: against fp32, bf16
 # dense weights parted from the bundled model's greedy answers at margins up to 0.047
-# (docs/perf.md), so between such paths a near-tie is a margin under 0.1.
+# (docs/perf-history.md, "Packed weights (`--weights auto | int4 | int8`), 2026-12-02, AVX512
+# EPYC (before the stack)"), so between such paths a near-tie is a margin under 0.1.
 BF16_NEAR_TIE = 0.1
 
 
