@@ -2,8 +2,8 @@
 PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-test run chat test lint typecheck unit bench-engine generate loadtest bench soak \
-	llama-server bench-peers bench-perplexity
+.PHONY: setup setup-test run chat test test-fast lint typecheck unit bench-engine generate \
+	loadtest bench soak llama-server bench-peers bench-perplexity
 
 setup:
 	@scripts/setup-env.sh
@@ -35,6 +35,11 @@ unit: setup-test
 
 # Lint, types, then the whole suite. pytest's exit code 5 (no tests collected) fails too.
 test: lint typecheck unit
+
+# The in-process suite: pytest without the tests marked `server` (those that start a process:
+# pagechat serve, redis-server, nginx, Locust, a browser, any subprocess). No lint, no types.
+test-fast: setup
+	$(PY) -m pytest -m "not server"
 
 bench-engine: setup
 	$(PY) -m benchmarks.engine_step

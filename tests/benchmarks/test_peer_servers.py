@@ -10,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from benchmarks.peer_servers import RssPeaks, free_port, high_water_mark_mb
 
@@ -26,6 +27,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.server
 def test_a_process_and_its_children_are_measured_apart() -> None:
     proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE)
     try:

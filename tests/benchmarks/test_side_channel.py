@@ -144,6 +144,7 @@ def test_report_puts_hits_and_misses_side_by_side() -> None:
 # ---------------------------------------------------------------------- a real server
 
 
+@pytest.mark.server
 def test_a_small_run_against_a_real_server(tmp_path: Path) -> None:
     """Global sharing shows every should-hit probe in `cached_tokens`; the default scope
     shows hits and misses alike."""

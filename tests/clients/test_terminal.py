@@ -136,6 +136,7 @@ def free_port() -> int:
 # ---------------------------------------------------------------------- keys, in a pty
 
 
+@pytest.mark.server
 async def test_ctrl_c_at_the_prompt_exits_cleanly(
     server: ServerProcess, terminal: type[Terminal]
 ) -> None:
@@ -147,6 +148,7 @@ async def test_ctrl_c_at_the_prompt_exits_cleanly(
     await wait_balanced(server)  # its connection is closed, nothing is held
 
 
+@pytest.mark.server
 async def test_ctrl_d_at_the_prompt_exits_cleanly(
     server: ServerProcess, terminal: type[Terminal]
 ) -> None:
@@ -158,6 +160,7 @@ async def test_ctrl_d_at_the_prompt_exits_cleanly(
     await wait_balanced(server)
 
 
+@pytest.mark.server
 async def test_ctrl_c_mid_answer_cancels_it_and_returns_to_the_prompt(
     server: ServerProcess, terminal: type[Terminal]
 ) -> None:
@@ -192,6 +195,7 @@ async def test_ctrl_c_mid_answer_cancels_it_and_returns_to_the_prompt(
 @pytest.mark.parametrize(
     "form", ["http://{host}", "ws://{host}", "{host}", "ws://{host}/v1/chat", "http://{host}/"]
 )
+@pytest.mark.server
 def test_the_server_address_is_accepted_in_every_usual_form(
     server: ServerProcess, form: str
 ) -> None:
@@ -225,6 +229,7 @@ def test_chat_url_normalizes_to_the_websocket_endpoint(given: str, url: str) -> 
         ("http://:8000", "no host"),
     ],
 )
+@pytest.mark.server
 def test_a_wrong_url_is_one_line_and_exit_2(url: str, says: str) -> None:
     with pytest.raises(Failure):
         chat_url(url)
@@ -233,30 +238,35 @@ def test_a_wrong_url_is_one_line_and_exit_2(url: str, says: str) -> None:
     assert says in one_line(result.stderr)
 
 
+@pytest.mark.server
 def test_no_server_is_one_line_and_exit_1() -> None:
     result = run_client("--url", f"http://127.0.0.1:{free_port()}")
     assert result.returncode == 1
     assert "connection refused" in one_line(result.stderr)
 
 
+@pytest.mark.server
 def test_a_path_that_is_not_the_chat_is_one_line_and_exit_1(server: ServerProcess) -> None:
     result = run_client("--url", f"{server.http}/elsewhere/v1/chat")
     assert result.returncode == 1
     assert "not a chat WebSocket" in one_line(result.stderr)  # Starlette answers 403
 
 
+@pytest.mark.server
 def test_an_unknown_session_is_one_line_and_exit_1(server: ServerProcess) -> None:
     result = run_client("--url", server.http, "--session", "nosuchsession", "--secret", "s")
     assert result.returncode == 1
     assert "no session nosuchsession" in one_line(result.stderr)
 
 
+@pytest.mark.server
 def test_session_without_secret_is_one_line_and_exit_2() -> None:
     result = run_client("--session", "abc")
     assert result.returncode == 2
     assert "go together" in one_line(result.stderr)
 
 
+@pytest.mark.server
 def test_help_gives_each_option_with_its_default() -> None:
     result = run_client("--help")
     assert result.returncode == 0

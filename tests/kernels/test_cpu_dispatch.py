@@ -32,6 +32,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.server
 def test_the_library_is_built_once_into_the_cache_for_every_cpu_alike(tmp_path: Path) -> None:
     code = "from kernels.cpu.library import library; print(library() is not None)"
     for _ in range(2):
@@ -45,6 +46,7 @@ def test_the_library_is_built_once_into_the_cache_for_every_cpu_alike(tmp_path: 
     assert not any("native" in flag for command in commands for flag in command)
 
 
+@pytest.mark.server
 def test_without_a_compiler_there_are_no_kernels_and_auto_serves_dense_weights(
     tmp_path: Path,
 ) -> None:
@@ -72,6 +74,7 @@ def _dockerfile_build_command() -> list[str]:
     return shlex.split(command)
 
 
+@pytest.mark.server
 def test_the_dockerfiles_library_picks_each_version_this_cpu_runs(tmp_path: Path) -> None:
     """The image's recipe (its RUN line, run here), then the image's start: the library from
     $PAGECHAT_CPU_LIB, no compiler, each version forced in turn and auto."""
@@ -179,6 +182,7 @@ def _split_product_in_a_child(queue: multiprocessing.Queue) -> None:  # type: ig
     queue.put(torch.equal(split, ops.gemv(kernels, weight, x)))
 
 
+@pytest.mark.server
 def test_a_forked_child_starts_its_own_helper_thread() -> None:
     # The parent's helper is running (a split call); the child has none until it starts one.
     kernels = dispatch.select("auto")
@@ -197,6 +201,7 @@ def test_a_forked_child_starts_its_own_helper_thread() -> None:
 
 
 @pytest.mark.parametrize("arch", sorted(build.ISAS))
+@pytest.mark.server
 def test_every_version_compiles_without_a_warning(tmp_path: Path, arch: str) -> None:
     compiler = "cc" if arch == build.machine() else f"{arch}-linux-gnu-gcc"
     if shutil.which(compiler) is None:

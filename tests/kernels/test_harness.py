@@ -25,6 +25,8 @@ from kernels.cpu import build, ops
 from kernels.cpu.formats import Blocks, WeightType, random_blocks
 from service.engine.model import apply_rope
 
+pytestmark = pytest.mark.server
+
 COMPILER = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 ARM_VERSIONS = [isa.name for isa in build.isas("aarch64")]

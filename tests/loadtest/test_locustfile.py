@@ -23,7 +23,7 @@ from tests.api.server import (
     wait_balanced,
 )
 
-pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
 
 
 async def test_a_short_run_exercises_every_scenario_without_failures_and_leaves_the_pool_balanced(

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
+from loadtest.redis_child import RedisChild
 from loadtest.run import SCENARIOS
 from loadtest.soak import parse_args, report
 from loadtest.soak_probe import is_idle
@@ -160,8 +162,28 @@ def test_every_scenario_needs_a_user_and_a_foreign_server_its_redis() -> None:
     assert extra == ["--think-time", "1"]
 
 
+@pytest.mark.server
+def test_the_soaks_own_redis_answers_on_its_socket_and_persists_when_stopped(
+    tmp_path: Path,
+) -> None:
+    server = RedisChild(tmp_path / "redis")
+    server.start()
+    socket = Path(server.socket_path)
+    try:
+        client = redis.Redis.from_url(server.url)
+        assert client.set("soak", "1") and client.get("soak") == b"1"
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        client.close()
+    finally:
+        server.stop()
+    assert not socket.exists() and not socket.parent.exists()
+    assert b"soak" in (tmp_path / "redis" / "appendonly.aof").read_bytes()  # synced at SIGTERM
+    server.stop()  # twice: nothing left to stop
+
+
 @pytest.mark.real_model
 @pytest.mark.timeout(240)
+@pytest.mark.server
 def test_a_short_soak_of_every_scenario_passes_its_verdict_and_writes_its_files(
     tmp_path: Path,
 ) -> None:

@@ -71,6 +71,7 @@ def test_routing_is_a_consistent_hash_on_the_session_argument_with_upgrade_heade
 
 
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (apt-get install nginx)")
+@pytest.mark.server
 def test_nginx_accepts_the_config(tmp_path: Path) -> None:
     (tmp_path / "temp").mkdir()
     conf = tmp_path / "nginx.conf"

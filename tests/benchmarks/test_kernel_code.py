@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import triton
 
+pytestmark = pytest.mark.server
+
 NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 if not (NVIDIA_TOOLS / "ptxas").exists() or not (NVIDIA_TOOLS / "cuobjdump").exists():
     pytest.skip("this Triton wheel ships no ptxas/cuobjdump", allow_module_level=True)
