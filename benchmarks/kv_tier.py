@@ -1,4 +1,4 @@
-"""The third KV tier (service/kvtier) on this machine, on the default model's real K/V.
+"""The third KV tier (service/engine/kvtier) on this machine, on the default model's real K/V.
 
 For each storage option (raw, int8, zstd, int8-zstd) and each backend (a local directory, a
 private redis-server on a Unix socket): bytes per stored token, the tier's write throughput
@@ -33,11 +33,11 @@ import torch
 from benchmarks.serve import RedisServer
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
+from service.engine.kvtier.config import CODEC_NAMES, KVTierConfig
+from service.engine.kvtier.record import BlockLayout
+from service.engine.kvtier.redis_backend import RedisBackend
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
-from service.kvtier.config import CODEC_NAMES, KVTierConfig
-from service.kvtier.record import BlockLayout
-from service.kvtier.redis_backend import RedisBackend
 
 _WORDS = ["apple", "river", "stone", "cloud", "seven", "table", "music", "green", "window"]
 NEAR_TIE = 1e-3

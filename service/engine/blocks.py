@@ -23,8 +23,9 @@ NOTE (eviction order): a device slot is taken from the free list first; failing 
   least recently released cached block is moved to the CPU pool (block by block, not the
   whole sequence) and its slot reused. The CPU pool takes its own free slots first, then drops
   its least recently used cached block. Blocks in use are never evicted. With `save_evicted`
-  (a third tier, service/kvtier), a dropped block is first saved: a SAVE op, issued before
-  the op that reuses its slot, hands its K/V to the tier.
+  (a third tier, service/engine/kvtier), a dropped block is first saved: a SAVE op, issued
+  before the op that reuses its slot, hands its K/V to the tier. The manager never asks the
+  tier anything: its scheduler side drops the SAVE ops of blocks it holds already.
 NOTE (blocks from the third tier): `allocate` may take, after the prefix hit, a run of
   blocks the tier returned (`loaded`): each gets a fresh device slot, a LOAD op copying its
   K/V there from the step's staged rows (in the order issued), and counts as computed. They

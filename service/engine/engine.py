@@ -3,6 +3,11 @@
 One step: the scheduler picks chunks (and issues block moves), the runner computes their
 logits in one forward, the sampler picks tokens, and this module turns tokens into text,
 checks stop conditions and frees what finished. Everything here runs on one thread.
+
+With a third KV tier (service/engine/kvtier) the engine opens its `KVTierConnector` and hands
+the scheduler side to the Scheduler and the worker side to the ModelRunner; the engine itself
+calls it only when a request that persists finishes (its blocks are saved), for stats and at
+close.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -18,11 +24,14 @@ from service.engine.blocks import AllocationMode, BlockManager, hash_blocks
 from service.engine.config import EngineConfig
 from service.engine.cuda_graphs import StepRunner, make_step_runner
 from service.engine.host_memory import release_freed, tune_allocator
+from service.engine.kvtier.connector import KVTierConnector
+from service.engine.kvtier.record import BlockLayout
 from service.engine.loader import LoadedModel, load_model
+from service.engine.model import ModelArgs
 from service.engine.params import SamplingParams
 from service.engine.runner import ModelRunner
-from service.engine.sampler import Sampler, SamplingRow
-from service.engine.scheduler import Scheduler
+from service.engine.sampler import SampledToken, Sampler, SamplingRow
+from service.engine.scheduler import ScheduledChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 from service.engine.stop import StopChecker
 from service.engine.values import (
@@ -38,8 +47,6 @@ from service.engine.values import (
     StepTiming,
     Tier,
 )
-from service.kvtier.record import BlockLayout
-from service.kvtier.tier import KVTier
 
 LOAD_POLL_S = 0.05  # an engine waiting only on tier loads still takes commands this often
 
@@ -61,28 +68,36 @@ class LLMEngine:
         self.config = config
         device = config.torch_device()
         if loaded is None:
-            loaded = load_model(
-                config.model,
-                dtype=config.torch_dtype(),
-                device=device,
-                weight_dtype=config.torch_weight_dtype(),
-                kernels=config.cpu_kernels(),
-                dense_dtype=config.torch_dense_dtype(),
-                serve_stored=config.serve_stored(),
-                threads=config.native_threads(),
-            )
-            release_freed()  # what loading freed, before the KV pools are committed
+            loaded = _load_model(config, device)
         # A model loaded by the caller decides the activations; the KV cache follows them
         # unless `kv_cache_dtype` says otherwise (float16 on the CPU by default).
         self.activation_dtype = loaded.model.activation_dtype
-        self.kv_cache_dtype = dtype = config.torch_kv_cache_dtype(self.activation_dtype)
+        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.activation_dtype)
         self.weight_dtype = loaded.model.dense_weight_dtype
         self.cpu_kernels = loaded.model.kernels
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
-        args = loaded.args
-        self.max_model_len = min(config.max_model_len, args.max_position_embeddings)
-        block_bytes = ModelRunner.block_bytes(args, config.block_size, dtype)
+        self.max_model_len = min(config.max_model_len, loaded.args.max_position_embeddings)
+        namespace = f"{loaded.model_id}|{config.cache_salt}"
+        num_device, num_cpu = self._pool_sizes(loaded.args)
+        self.kv_tier = self._open_tier(loaded.args, namespace)
+        self.scheduler = self._build_scheduler(num_device, num_cpu, namespace)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = self._build_runner(loaded, device, num_device, num_cpu)
+        # Pure decode steps replay CUDA graphs where they can; every other step the runner.
+        self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
+        self.sampler = Sampler(device, config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._steps = 0
+        self._prompt_tokens = 0
+        self._prompt_tokens_computed = 0
+        self._tokens_generated = 0
+        self._timing = StepTiming()
+
+    def _pool_sizes(self, args: ModelArgs) -> tuple[int, int]:
+        """The device and CPU pools' blocks: given, or what their MiB hold."""
+        config = self.config
+        block_bytes = ModelRunner.block_bytes(args, config.block_size, self.kv_cache_dtype)
         num_device = config.num_device_blocks or max(1, (config.kv_cache_mb << 20) // block_bytes)
         num_cpu = config.num_cpu_blocks
         if num_cpu is None:
@@ -94,14 +109,23 @@ class LLMEngine:
                     f"contiguous mode needs {per_seq} blocks per sequence; "
                     f"the pool has {num_device}"
                 )
-        namespace = f"{loaded.model_id}|{config.cache_salt}"
-        self.kv_tier: KVTier | None = None
-        if config.kv_tier is not None and config.enable_prefix_caching:
-            # The third tier is keyed by block hash: without the prefix cache there are none.
-            shape = (args.num_layers, 2, config.block_size, args.num_kv_heads, args.head_dim)
-            layout = BlockLayout(loaded.model_id, namespace, dtype, shape)
-            self.kv_tier = KVTier.open(config.kv_tier, layout)
-        self.block_manager = BlockManager(
+        return num_device, num_cpu
+
+    def _open_tier(self, args: ModelArgs, namespace: str) -> KVTierConnector | None:
+        """The third tier, where one is configured. It is keyed by block hash: without the
+        prefix cache there are none, and no tier."""
+        config = self.config
+        if config.kv_tier is None or not config.enable_prefix_caching:
+            return None
+        shape = (args.num_layers, 2, config.block_size, args.num_kv_heads, args.head_dim)
+        layout = BlockLayout(self.model_id, namespace, self.kv_cache_dtype, shape)
+        return KVTierConnector.open(config.kv_tier, layout)
+
+    def _build_scheduler(self, num_device: int, num_cpu: int, namespace: str) -> Scheduler:
+        """The block manager over the pools' slots, and the scheduler over it (with the
+        tier's scheduler side)."""
+        config = self.config
+        block_manager = BlockManager(
             num_device,
             num_cpu,
             config.block_size,
@@ -111,34 +135,31 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             save_evicted=self.kv_tier is not None,
         )
-        self.scheduler = Scheduler(
-            self.block_manager,
+        return Scheduler(
+            block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             preemption_mode=config.preemption_mode,
-            kv_tier=self.kv_tier,
+            tier=self.kv_tier.scheduler if self.kv_tier is not None else None,
         )
-        self.runner = ModelRunner(
+
+    def _build_runner(
+        self, loaded: LoadedModel, device: torch.device, num_device: int, num_cpu: int
+    ) -> ModelRunner:
+        """The model runner: the pools (tensors), the attention backend, the tier's worker."""
+        config = self.config
+        return ModelRunner(
             loaded.model,
-            args,
+            loaded.args,
             block_size=config.block_size,
             num_device_blocks=num_device,
             num_cpu_blocks=num_cpu,
             device=device,
-            dtype=dtype,
+            dtype=self.kv_cache_dtype,
             backend=get_backend(config.attention_backend, device, config.cpu_kernels()),
-            kv_tier=self.kv_tier,
+            tier=self.kv_tier.worker if self.kv_tier is not None else None,
             decode_threads=config.native_threads(),
         )
-        # Pure decode steps replay CUDA graphs where they can; every other step the runner.
-        self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
-        self.sampler = Sampler(device, config.seed)
-        self._requests: dict[str, _Request] = {}
-        self._steps = 0
-        self._prompt_tokens = 0
-        self._prompt_tokens_computed = 0
-        self._tokens_generated = 0
-        self._timing = StepTiming()
 
     # ------------------------------------------------------------------ requests
 
@@ -187,8 +208,8 @@ class LLMEngine:
             self._prompt_tokens += len(prompt_token_ids)
 
     def pages_of(self, token_ids: list[int], scope: CacheScope | None = None) -> KVPages:
-        """The hashes this engine gives the full blocks of `token_ids` in `scope`, and where
-        each of those blocks is now (for the page maps stored with conversations)."""
+        """The hashes this engine gives the full blocks of `token_ids` in `scope`, and the
+        pool holding each of those blocks now (None: neither; the third tier may hold it)."""
         bm = self.block_manager
         hashes = hash_blocks(token_ids, bm.block_size, bm.namespace, scope)
         return KVPages(hashes, [bm.tier_of(h) for h in hashes])
@@ -215,64 +236,26 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        timing, t0 = self._timing, time.perf_counter()
-        if self.kv_tier is not None:
-            self.kv_tier.load_finished.clear()  # before the scheduler looks at the loads
+        """Schedule, execute (block moves and inputs, the forward), postprocess (sample, then
+        text, stop checks and releases); each phase's time goes to `StepTiming`."""
+        clock = _PhaseClock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            if self.scheduler.loading:
-                # Only loads to wait for: wake when one finishes (or soon, for new commands).
-                assert self.kv_tier is not None
-                self.kv_tier.load_finished.wait(LOAD_POLL_S)
-                return []
-            if self.scheduler.has_work() and not self.scheduler.running:
-                raise RuntimeError("scheduler is stuck: work is queued but nothing fits")
-            return []
-        sampling = [c for c in batch.chunks if c.samples]
-        t1 = time.perf_counter()
+            return self._idle()
+        sampling = [c for c in batch.chunks if c.samples]  # before their tokens count as computed
+        clock.lap("schedule")
+
         inputs = self.step_runner.prepare(batch)
-        t2 = time.perf_counter()
+        clock.lap("prepare")
         logits = self.step_runner.execute(inputs)  # [len(sampling), V]
-        t3 = time.perf_counter()
-        self._steps += 1
-        for chunk in batch.chunks:
-            seq = chunk.seq
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self._prompt_tokens_computed += min(
-                    chunk.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
-                )
-            seq.num_computed_tokens += chunk.num_tokens
+        clock.lap("forward")
 
-        outputs = []
-        rows: list[SamplingRow] = []
-        row_seqs: list[Sequence] = []
-        logit_rows: list[int] = []
-        for i, chunk in enumerate(sampling):
-            if chunk.seq.params.max_tokens == 0:
-                outputs.append(self._finish_prefill_only(chunk.seq))
-                continue
-            for seq in self._samples_of(chunk.seq):
-                rows.append(SamplingRow(seq.params, seq.generator))
-                row_seqs.append(seq)
-                logit_rows.append(i)
-        if rows and logit_rows != list(range(len(sampling))):
-            logits = logits[torch.tensor(logit_rows, dtype=torch.int64, device=logits.device)]
-        sampled = self.sampler(logits, rows) if rows else []
-        t4 = time.perf_counter()
-
-        now = time.monotonic()
-        for seq, token in zip(row_seqs, sampled, strict=True):
-            seq.token_ids.append(token.token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._tokens_generated += 1
-            outputs.append(self._process_token(seq, token.token_id, token.logprobs))
-        t5 = time.perf_counter()
-        timing.schedule += t1 - t0
-        timing.prepare += t2 - t1
-        timing.forward += t3 - t2
-        timing.sample += t4 - t3
-        timing.postprocess += t5 - t4
+        self._count_computed(batch.chunks)
+        outputs, samples = self._sample(sampling, logits)
+        clock.lap("sample")
+        outputs += self._append_tokens(samples)
+        clock.lap("postprocess")
+        clock.add_to(self._timing)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -339,6 +322,60 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ internals
 
+    def _idle(self) -> list[RequestOutput]:
+        """A step with nothing to run: wait for the tier if only loads are left."""
+        if self.scheduler.loading:
+            # Only loads to wait for: wake when one finishes (or soon, for new commands).
+            self.scheduler.wait_for_load(LOAD_POLL_S)
+        elif self.scheduler.has_work() and not self.scheduler.running:
+            raise RuntimeError("scheduler is stuck: work is queued but nothing fits")
+        return []
+
+    def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
+        """The step's chunks are in the cache now."""
+        self._steps += 1
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._prompt_tokens_computed += min(
+                    chunk.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
+            seq.num_computed_tokens += chunk.num_tokens
+
+    def _sample(
+        self, sampling: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[list[RequestOutput], list[tuple[Sequence, SampledToken]]]:
+        """A token for each sample of each chunk that samples (forking a request's other
+        samples after its prefill); prefill-only requests finish instead, with an output."""
+        outputs = []
+        rows: list[SamplingRow] = []
+        row_seqs: list[Sequence] = []
+        logit_rows: list[int] = []
+        for i, chunk in enumerate(sampling):
+            if chunk.seq.params.max_tokens == 0:
+                outputs.append(self._finish_prefill_only(chunk.seq))
+                continue
+            for seq in self._samples_of(chunk.seq):
+                rows.append(SamplingRow(seq.params, seq.generator))
+                row_seqs.append(seq)
+                logit_rows.append(i)
+        if rows and logit_rows != list(range(len(sampling))):
+            logits = logits[torch.tensor(logit_rows, dtype=torch.int64, device=logits.device)]
+        sampled = self.sampler(logits, rows) if rows else []
+        return outputs, list(zip(row_seqs, sampled, strict=True))
+
+    def _append_tokens(self, samples: list[tuple[Sequence, SampledToken]]) -> list[RequestOutput]:
+        """Each sampled token appended, turned into text and checked for a stop."""
+        now = time.monotonic()
+        outputs = []
+        for seq, token in samples:
+            seq.token_ids.append(token.token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._tokens_generated += 1
+            outputs.append(self._process_token(seq, token.token_id, token.logprobs))
+        return outputs
+
     def _live_sequences(self) -> list[Sequence]:
         return [s for r in self._requests.values() for s in r.seqs if not s.is_finished]
 
@@ -373,19 +410,14 @@ class LLMEngine:
         return [seq, *children]
 
     def _persist(self, seq: Sequence) -> None:
-        """Save `seq`'s computed full blocks that the third tier does not hold yet."""
+        """A request that persists, finishing: the tier's scheduler side picks its computed
+        full blocks the tier lacks, the worker side copies them out before they are freed."""
         tier = self.kv_tier
         if tier is None or not self._requests[seq.request_id].persist:
             return
-        num_full = seq.num_computed_tokens // self.block_manager.block_size
-        pairs = [
-            (h, block)
-            for h, block in zip(seq.block_hashes[:num_full], seq.block_table, strict=False)
-            if not tier.knows(h)
-        ]
-        if pairs:
-            blocks = self.runner.read_blocks([block for _, block in pairs])
-            tier.save([h for h, _ in pairs], blocks)
+        save = tier.scheduler.request_finished(seq)
+        if save is not None:
+            tier.worker.save_blocks(save)
 
     def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
         """The prompt's K/V are computed and its full blocks cached: nothing to generate."""
@@ -441,3 +473,43 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             first_scheduled_time=seq.first_scheduled_time,
         )
+
+
+Phase = Literal["schedule", "prepare", "forward", "sample", "postprocess"]
+
+
+class _PhaseClock:
+    """One step's phases, timed back to back: `lap(phase)` gives `phase` the time since the
+    previous lap; `add_to` adds them to the engine's StepTiming (an idle step adds nothing)."""
+
+    __slots__ = ("_laps", "_last")
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._laps: list[tuple[Phase, float]] = []
+
+    def lap(self, phase: Phase) -> None:
+        now = time.perf_counter()
+        self._laps.append((phase, now - self._last))
+        self._last = now
+
+    def add_to(self, timing: StepTiming) -> None:
+        for phase, seconds in self._laps:
+            setattr(timing, phase, getattr(timing, phase) + seconds)
+
+
+def _load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
+    """The configured model, with the heap loading freed handed back before the KV pools
+    are committed."""
+    loaded = load_model(
+        config.model,
+        dtype=config.torch_dtype(),
+        device=device,
+        weight_dtype=config.torch_weight_dtype(),
+        kernels=config.cpu_kernels(),
+        dense_dtype=config.torch_dense_dtype(),
+        serve_stored=config.serve_stored(),
+        threads=config.native_threads(),
+    )
+    release_freed()
+    return loaded

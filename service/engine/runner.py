@@ -5,8 +5,9 @@ layer's K and V caches are contiguous for attention; a block move touches every 
 indexing op). The CPU pool is pinned on CUDA so swaps can overlap. The device pool holds one
 block more than the block manager hands out: `scratch_block`, where the padding rows of a
 captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend. With a third
-tier (service/kvtier) the runner also hands it blocks about to be dropped (SAVE ops) and copies
-the blocks it loaded into their device slots (LOAD ops).
+tier (service/engine/kvtier) the runner holds its worker side (`TierWorker`, which it registers
+its pools with) and hands it the step's SAVE ops (blocks about to be dropped) and LOAD ops
+(blocks the tier returned, copied into their device slots).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
-from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind
+from service.engine.blocks import SAVE_KINDS, BlockOp, OpKind
 from service.engine.model import LlamaModel, ModelArgs
 from service.engine.scheduler import StepBatch
 from service.engine.values import Tier
 
 if TYPE_CHECKING:
-    from service.kvtier.tier import KVTier, LoadedRun
+    from service.engine.kvtier.connector import TierWorker
+    from service.engine.kvtier.tier import LoadedRun
 
 
 @dataclass(slots=True)
@@ -102,11 +104,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         backend: AttentionBackend,
-        kv_tier: KVTier | None = None,
+        tier: TierWorker | None = None,
         decode_threads: int = 1,
     ) -> None:
         self.model = model
-        self.kv_tier = kv_tier
+        self.tier = tier  # the third tier's worker side, or None
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -121,6 +123,8 @@ class ModelRunner:
             dtype=dtype,
             pin_memory=device.type == "cuda",
         )
+        if tier is not None:
+            tier.register_pools(self.device_pool, self.cpu_pool)
         # Views into the device pool, taken once: indexing the pool per layer and step cost
         # four ops on the decode hot path. The pool is written in place, never replaced.
         self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
@@ -141,20 +145,23 @@ class ModelRunner:
 
     def apply_block_ops(self, ops: list[BlockOp], loaded: list[LoadedRun]) -> None:
         """Carry out a step's block ops; `loaded` holds the K/V its LOAD ops copy in (required:
-        any step may load, a pure decode step included)."""
-        staged = _stage(loaded)  # [L, 2, rows, bs, Hkv, D] on the host, or None
+        any step may load, a pure decode step included). SAVE and LOAD groups go to the tier's
+        worker side, in their place among the others."""
+        tier = self.tier
+        staged = tier.stage(loaded) if tier is not None else None  # [L, 2, rows, bs, Hkv, D]
         for g in group_block_ops(ops):
+            if g.kind in SAVE_KINDS:
+                if tier is not None:
+                    pool = Tier.CPU if g.kind is OpKind.SAVE_CPU else Tier.DEVICE
+                    tier.save(pool, g.src, g.hashes)
+                continue
+            if g.kind is OpKind.LOAD:
+                assert tier is not None and staged is not None, "LOAD ops without loaded blocks"
+                tier.load(staged, g.src, g.dst)
+                continue
             src = torch.tensor(g.src, dtype=torch.int64)
             dst = torch.tensor(g.dst, dtype=torch.int64)
-            if g.kind in SAVE_KINDS:
-                pool = self.cpu_pool if g.kind is OpKind.SAVE_CPU else self.device_pool
-                self._save(pool, g.src, g.hashes)
-            elif g.kind is OpKind.LOAD:
-                assert staged is not None, "LOAD ops without loaded blocks"
-                every_row = g.src == list(range(staged.shape[2]))  # the usual case: no gather
-                rows = staged if every_row else staged[:, :, src]  # [L, 2, n, bs, Hkv, D]
-                self.device_pool[:, :, dst.to(self.device)] = rows.to(self.device)
-            elif g.kind is OpKind.COPY:
+            if g.kind is OpKind.COPY:
                 self.backend.copy_blocks(self.device_pool, src.to(self.device), dst.to(self.device))
             elif g.kind is OpKind.SWAP_OUT:
                 self.backend.swap_blocks(self.device_pool, self.cpu_pool, src, dst)
@@ -163,26 +170,6 @@ class ModelRunner:
         if ops and self.device.type == "cuda":
             # Swap-outs read device slots the coming forward may overwrite: finish them first.
             torch.cuda.current_stream(self.device).synchronize()
-
-    def read_blocks(self, blocks: list[Block]) -> torch.Tensor:
-        """A host copy of `blocks`' K/V, in order: [L, 2, n, bs, Hkv, D]."""
-        out = torch.empty(_with_blocks(self.cpu_pool.shape, len(blocks)), dtype=self.cpu_pool.dtype)
-        for tier, pool in ((Tier.DEVICE, self.device_pool), (Tier.CPU, self.cpu_pool)):
-            rows = [i for i, b in enumerate(blocks) if b.tier is tier]
-            if rows:
-                slots = torch.tensor([blocks[i].slot for i in rows], device=pool.device)
-                out[:, :, torch.tensor(rows)] = pool[:, :, slots].cpu()
-        return out
-
-    def _save(self, pool: torch.Tensor, slots: list[int], hashes: list[int]) -> None:
-        """Hand blocks about to be dropped to the tier (those it does not hold already)."""
-        tier = self.kv_tier
-        if tier is None:
-            return
-        keep = [i for i, h in enumerate(hashes) if not tier.knows(h)]
-        if keep:
-            index = torch.tensor([slots[i] for i in keep], device=pool.device)
-            tier.save([hashes[i] for i in keep], pool[:, :, index].cpu())  # a copy: [L, 2, n, ...]
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """Run the step's block moves; build the forward's inputs and attention plan."""
@@ -267,7 +254,10 @@ class ModelRunner:
 
 
 # The most rows a step runs through the native stack (a prefill chunk's tokens count each):
-# it beat the op-by-op path at every size tried (docs/perf.md); the cap bounds its work area.
+# it beat the op-by-op path at every size tried (decode: docs/perf-history.md, "The native
+# decode stack (`--decode-threads 1 | 2`), 2026-12-02, Intel Xeon with AVX512-VNNI"; prefill:
+# docs/perf.md, "Prefill through the stack (AMD EPYC Zen 5, 11:30 UTC, commit not recorded)");
+# the cap bounds its work area.
 MAX_NATIVE_ROWS = 1024
 # The longest context of a step with prefill chunks the stack takes (decode steps: any). It
 # prefilled faster than the op-by-op path at every length measured, up to 4,000 tokens
@@ -278,12 +268,3 @@ MAX_NATIVE_PREFILL_CONTEXT = 8192
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:
     return (*shape[:2], num_blocks, *shape[3:])
-
-
-def _stage(loaded: list[LoadedRun]) -> torch.Tensor | None:
-    """The step's loaded runs as one tensor of rows, in LOAD-op row order."""
-    if not loaded:
-        return None
-    if len(loaded) == 1:
-        return loaded[0].data
-    return torch.cat([run.data for run in loaded], dim=2)  # [L, 2, rows, bs, Hkv, D]

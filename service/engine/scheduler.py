@@ -6,14 +6,17 @@ Continuous batching under one token budget per step. Order of service:
 3. swapped-out sequences coming back (only in a step that preempted nothing);
 4. waiting requests, admitted first come first served while blocks and budget allow.
 
-NOTE (reads before recompute): with a third tier (service/kvtier), a waiting prompt whose
-prefix hit stops at least MIN_LOAD_BLOCKS full blocks short of its end is not admitted at
-once: the tier is asked for the blocks after the hit, the sequence is set LOADING (it holds
-no blocks) while the tier's reader fetches them, and others keep running. When the load
-finishes (or times out: then nothing is used) it goes back to the front of the waiting queue
-and is admitted with the hit, the run the tier found, and the rest to compute. A sequence asks
-once per admission; a shorter prefix gap is recomputed, as cheap as one step's delay. At most
-MAX_LOADS loads are in flight (each holds its blocks in host memory until admitted).
+NOTE (reads before recompute): with a third tier (service/engine/kvtier), the scheduler asks
+its scheduler side (`TierScheduler`, the only tier code it calls) whether the blocks after a
+waiting prompt's prefix hit are worth loading (once per admission, and only a gap of
+MIN_LOAD_BLOCKS or more). If so the prompt is not admitted at once: the load starts, the
+sequence is set LOADING (it holds no blocks) while the tier's reader fetches them, and others
+keep running. When the load finishes (or times out: then nothing is used) it goes back to the
+front of the waiting queue and is admitted with the hit, the part of the run that still
+continues it, and the rest to compute; the run's rows reach the runner in the step's batch
+(`StepBatch.loaded`, in the order of the LOAD ops). At most MAX_LOADS loads are in flight
+(each holds its blocks in host memory until admitted). SAVE ops of blocks the tier holds
+already are dropped from the step's ops.
 
 NOTE (preemption): when a running sequence cannot get a block, the newest running sequence is
 preempted (swapped to the CPU pool or dropped for recompute, by policy; swap falls back to
@@ -33,9 +36,9 @@ from service.engine.config import PreemptionMode
 from service.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from service.kvtier.tier import KVTier, LoadedRun
+    from service.engine.kvtier.connector import TierScheduler
+    from service.engine.kvtier.tier import LoadedRun
 
-MIN_LOAD_BLOCKS = 4
 MAX_LOADS = 8
 
 
@@ -81,10 +84,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: PreemptionMode,
-        kv_tier: KVTier | None = None,
+        tier: TierScheduler | None = None,
     ) -> None:
         self.block_manager = block_manager
-        self.kv_tier = kv_tier
+        # The third tier's scheduler side; None without one, or without the prefix cache
+        # (contiguous mode), through which its blocks are found.
+        self.tier = tier if block_manager.enable_prefix_caching else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -108,10 +113,8 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence from whichever queue holds it; free its blocks."""
-        if seq.tier_ticket is not None:
-            seq.tier_ticket.cancelled = True
-            seq.tier_ticket = None
-        seq.tier_run = None
+        if self.tier is not None:
+            self.tier.cancel(seq)
         for queue in (self.running, self.waiting, self.swapped, self.loading):
             if seq in queue:
                 queue.remove(seq)
@@ -124,7 +127,9 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         loaded: list[LoadedRun] = []
-        self._collect_loads()
+        if self.tier is not None:
+            self.tier.begin_step()
+            self._collect_loads(self.tier)
 
         # Admission order, so a victim (the newest) is never one already scheduled this step.
         # A prefill chunk leaves room for every decode behind it, so decodes never starve.
@@ -153,7 +158,15 @@ class Scheduler:
             budget = self._resume_swapped(chunks, budget)
         if not preempted and not self.swapped:
             self._admit_waiting(chunks, budget, loaded)
-        return StepBatch(chunks, bm.take_ops(), preempted, loaded)
+        ops = bm.take_ops()
+        if self.tier is not None:
+            ops = self.tier.saves_needed(ops)
+        return StepBatch(chunks, ops, preempted, loaded)
+
+    def wait_for_load(self, timeout: float) -> None:
+        """With nothing to run but loads to wait for: until one finishes, or `timeout`."""
+        if self.tier is not None:
+            self.tier.wait_for_load(timeout)
 
     def _resume_swapped(self, chunks: list[ScheduledChunk], budget: int) -> int:
         bm = self.block_manager
@@ -178,19 +191,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = bm.find_prefix(seq)
-            if self._wants_load(seq, len(hit.blocks)):
-                if len(self.loading) >= MAX_LOADS:
-                    break  # first come, first served: it waits for a load to finish
-                self.waiting.popleft()
-                self._start_load(seq, len(hit.blocks))
-                continue
-            run = self._usable_run(seq, len(hit.blocks))
+            run = None
+            if self.tier is not None:
+                if self.tier.wants_load(seq, len(hit.blocks)):
+                    if len(self.loading) >= MAX_LOADS:
+                        break  # first come, first served: it waits for a load to finish
+                    self.waiting.popleft()
+                    self.tier.start_load(seq, len(hit.blocks))
+                    seq.status = SequenceStatus.LOADING
+                    self.loading.append(seq)
+                    continue
+                run = self.tier.loaded_run(seq, len(hit.blocks))
             num_loaded = len(run) if run is not None else 0
             n = min(seq.num_tokens - hit.num_tokens - num_loaded * bm.block_size, budget)
             if not bm.can_allocate(seq, hit, n, num_loaded):
                 break
             self.waiting.popleft()
-            seq.tier_run = None
+            if self.tier is not None:
+                self.tier.admitted(seq)
             hashes = run.hashes if run is not None else []
             bm.allocate(seq, hit, n, loaded=hashes, count_lookup=seq.params.max_tokens > 0)
             if run is not None:
@@ -205,55 +223,17 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
-    # ------------------------------------------------------------------ third tier
-
-    def _wants_load(self, seq: Sequence, num_hit_blocks: int) -> bool:
-        if self.kv_tier is None or seq.tier_probed or not self.block_manager.enable_prefix_caching:
-            return False
-        max_blocks = (seq.num_tokens - 1) // self.block_manager.block_size
-        return max_blocks - num_hit_blocks >= MIN_LOAD_BLOCKS
-
-    def _start_load(self, seq: Sequence, start: int) -> None:
-        assert self.kv_tier is not None
-        max_blocks = (seq.num_tokens - 1) // self.block_manager.block_size
-        seq.tier_probed = True
-        seq.tier_load_start = start
-        seq.tier_ticket = self.kv_tier.load(seq.block_hashes[start:max_blocks])
-        seq.status = SequenceStatus.LOADING
-        self.loading.append(seq)
-
-    def _collect_loads(self) -> None:
+    def _collect_loads(self, tier: TierScheduler) -> None:
         """Loads that finished (or timed out) put their sequences back at the queue's front."""
-        tier = self.kv_tier
-        if tier is None or not self.loading:
-            return
-        ready = []
+        pending: list[Sequence] = []
+        ready: list[Sequence] = []
         for seq in self.loading:
-            ticket = seq.tier_ticket
-            assert ticket is not None
-            if ticket.done.is_set() or tier.expired(ticket):
-                seq.tier_run = None if ticket.cancelled else ticket.result
-                seq.tier_ticket = None
-                seq.status = SequenceStatus.WAITING
-                ready.append(seq)
+            (ready if tier.load_done(seq) else pending).append(seq)
         if ready:
-            self.loading = [s for s in self.loading if s.tier_ticket is not None]
+            for seq in ready:
+                seq.status = SequenceStatus.WAITING
+            self.loading = pending
             self.waiting.extendleft(reversed(ready))
-
-    def _usable_run(self, seq: Sequence, num_hit_blocks: int) -> LoadedRun | None:
-        """The part of `seq`'s loaded run that continues its prefix hit now.
-
-        Blocks may have come or gone while it waited: a hit that reaches into the run shortens
-        it; a hit that stops before the run starts leaves a gap, and the run is not used.
-        """
-        run = seq.tier_run
-        if run is None:
-            return None
-        offset = num_hit_blocks - seq.tier_load_start
-        if offset < 0 or offset >= len(run):
-            seq.tier_run = None
-            return None
-        return run.tail(offset) if offset else run
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -267,7 +247,8 @@ class Scheduler:
             return
         bm.free(seq)
         seq.num_computed_tokens = 0
-        seq.tier_probed = False  # its blocks may be in the third tier by now
+        if self.tier is not None:
+            self.tier.preempted(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions_recompute += 1

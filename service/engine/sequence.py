@@ -19,7 +19,7 @@ from service.engine.params import SamplingParams
 from service.engine.values import CacheScope, FinishReason
 
 if TYPE_CHECKING:
-    from service.kvtier.tier import LoadedRun, LoadTicket
+    from service.engine.kvtier.connector import TierState
 
 
 class SequenceStatus(enum.Enum):
@@ -59,12 +59,10 @@ class Sequence:
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # first admission (monotonic), for queue time
-    # The third tier (the scheduler's): asked once per admission; the load in flight, or the
-    # run it returned (blocks from `tier_load_start` on) until the sequence is admitted.
-    tier_probed: bool = False
-    tier_load_start: int = 0
-    tier_ticket: LoadTicket | None = None
-    tier_run: LoadedRun | None = None
+    # The third tier's load (kept by its scheduler side, kvtier/connector.py): None until the
+    # tier is asked, once per admission; then the load in flight, or the run it returned
+    # until the sequence is admitted.
+    tier: TierState | None = None
 
     @property
     def num_tokens(self) -> int:

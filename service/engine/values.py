@@ -91,7 +91,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens found in the device prefix cache
     num_swapped_in_tokens: int  # prompt tokens brought back from the CPU pool
-    num_loaded_tokens: int  # prompt tokens loaded from the third tier (service/kvtier)
+    num_loaded_tokens: int  # prompt tokens loaded from the third tier (service/engine/kvtier)
     num_output_tokens: int
     # When the request was first admitted (time.monotonic()); queue time ends here.
     first_scheduled_time: float | None = None

@@ -36,7 +36,7 @@ class ServerConfig:
     data_dir: Path = setting(Path("data"), "where the embedded Redis persists")
     replica_id: str = setting(
         default_factory=socket.gethostname,
-        doc="this replica's name in page maps and as a session's owner",
+        doc="this replica's name as a session's owner (the replica that served its latest turn)",
         shown_default="the host's name",
     )
     engine: EngineConfig = field(default_factory=EngineConfig)

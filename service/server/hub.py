@@ -163,7 +163,6 @@ class Hub:
         self._conversations = ConversationCache(
             engine,
             ChatFormat(engine.tokenizer),
-            replica_id=config.replica_id,
             share_across_sessions=config.prefix_cache_scope == "global",
         )
         await engine.start()

@@ -3,8 +3,9 @@
 Three things, all about the blocks a conversation leaves in the engine's prefix cache:
 - `scope`: who may find them (the conversation's tenant; across sessions, by default, only the
   blocks wholly inside the template's prefix and the system prompt);
-- `page_map`: the record stored with each turn (token ids, block hashes, each block's tier),
-  from which the next turn, on any replica, starts;
+- `page_map`: the record stored with each turn (the token ids exactly as the model saw them,
+  and the model and namespace they were computed under), from which the next turn, on any
+  replica, starts;
 - `prefill_tail`: the K/V of the turn's last tokens, computed while the user reads the answer.
 
 NOTE (tail prefill): an answer's last token and the end-of-turn tokens after it were never fed
@@ -36,12 +37,10 @@ class ConversationCache:
         engine: ServingEngine,
         chat_format: ChatFormat,
         *,
-        replica_id: str,
         share_across_sessions: bool = False,
     ) -> None:
         self.engine = engine
         self.chat_format = chat_format
-        self.replica_id = replica_id  # page maps name it: it holds the pages, if anyone does
         # --prefix-cache-scope global: every session of a tenant shares every block.
         self.share_across_sessions = share_across_sessions
         self._tails: dict[str, asyncio.Task[None]] = {}  # per session, its tail prefill
@@ -56,18 +55,14 @@ class ConversationCache:
         shared = self.chat_format.system_prefix_len(system)
         return CacheScope(salt=salt, private=session_id, shared_tokens=shared)
 
-    async def page_map(self, token_ids: list[int], scope: CacheScope) -> PageMap:
-        """The page map of a conversation whose ids are `token_ids`, as the engine holds its
-        blocks now."""
-        pages = await self.engine.pages_of(token_ids, scope)
+    def page_map(self, token_ids: list[int]) -> PageMap:
+        """The page map of a conversation whose ids are `token_ids` (PageMap's NOTE: where
+        its blocks are is the engine's to find at the next turn, not the record's)."""
         return PageMap(
             token_ids=token_ids,
             block_size=self.engine.limits.block_size,
-            block_hashes=pages.block_hashes,
-            tiers=[t.value if t is not None else "none" for t in pages.tiers],
             namespace=self.engine.namespace,
             model_id=self.engine.model_id,
-            replica=self.replica_id,
             updated=time.time(),
         )
 

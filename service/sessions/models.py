@@ -30,17 +30,29 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class PageMap(msgspec.Struct, kw_only=True):
-    """The conversation's KV pages: where the next turn's prompt prefix comes from."""
+    """The conversation's KV pages: the next turn's prompt prefix, and what its KV blocks are
+    found under.
+
+    NOTE (no per-block tiers): what a user resuming a session needs is the conversation as the
+    model saw it: the next prompt is `token_ids` plus the new message, and the engine that
+    serves it finds whatever blocks of it survive by their hashes, in its pools or in the
+    third KV tier, and says in the turn's usage where the prompt came from (cached, swapped
+    in, loaded, recomputed), truthfully, at that moment. Where each block was when the turn
+    was stored is stale by the time the user comes back (evicted, swapped, saved to the third
+    tier, or another replica answers), so it is not kept: no `tiers`, and no `block_hashes`
+    (the engine computes them from the ids, the namespace and the cache scope) nor `replica`
+    (the session's `owner`, written in the same script).
+    NOTE (records written before): those carried `block_hashes`, `tiers` and `replica`;
+    decoding skips fields the Struct does not name (msgspec's default: never set
+    forbid_unknown_fields here), so they still load (tests/sessions/test_page_map.py).
+    """
 
     token_ids: list[int]
-    block_size: int
-    # Chain hashes of every full block of token_ids (service.engine.blocks.hash_blocks).
-    block_hashes: list[int]
-    # Per block, where it was when the page map was last written: "device", "cpu" or "none".
-    tiers: list[str]
-    namespace: str  # what the hashes cover besides tokens: model id and cache salt
-    model_id: str
-    replica: str  # the replica that wrote it (holds the pages, if anyone does)
+    block_size: int  # tokens per block of the engine that wrote it
+    # What block hashes covered besides tokens: model id and cache salt. A replica with
+    # another salt (or block size) misses these blocks and computes them again.
+    namespace: str
+    model_id: str  # the ids are this model's: another model's page map is not used
     updated: float
 
 

@@ -121,7 +121,7 @@ def test_a_session_opens_answers_and_its_turn_is_stored(app: App) -> None:
     assert done["usage"]["completion_tokens"] == len(app.engine.answer_ids)
     messages, page_map = stored_session(app.prefix, opened["session_id"])
     assert [(m.role, m.content) for m in messages] == [("user", "Hi"), ("assistant", ANSWER)]
-    assert page_map is not None and page_map.replica == "in-process"
+    assert page_map is not None and page_map.model_id == app.engine.model_id
     (request, *_) = app.engine.requests
     assert request.request_id == f"{opened['session_id']}/0"
 

@@ -48,7 +48,7 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 @pytest.fixture
 def conversations(engine: FakeEngine) -> ConversationCache:
-    return ConversationCache(engine, ChatFormat(engine.tokenizer), replica_id="replica-a")
+    return ConversationCache(engine, ChatFormat(engine.tokenizer))
 
 
 class Client:
@@ -100,11 +100,8 @@ def page_map(model_id: str) -> PageMap:
     return PageMap(
         token_ids=[7, 8, 9],
         block_size=4,
-        block_hashes=[],
-        tiers=[],
         namespace=model_id + "|",
         model_id=model_id,
-        replica="r",
         updated=0.0,
     )
 
@@ -151,22 +148,14 @@ async def test_a_turn_streams_stores_its_page_map_and_then_prefills_the_tail(
     assert isinstance(done, Done) and done.finish_reason is FinishReason.STOP
     assert done.usage.completion_tokens == len(engine.answer_ids)
 
-    _, stored = await store.load(session_id)
+    stored_meta, stored = await store.load(session_id)
     assert stored is not None
     chat_format = conversations.chat_format
     prompt = chat_format.first_prompt(None, "Again")
     answer = engine.answer_ids
     assert stored.token_ids == prompt + answer + chat_format.close_turn(answer)
-    assert (stored.model_id, stored.namespace, stored.replica) == (
-        "model-a",
-        "model-a|",
-        "replica-a",
-    )
-    assert len(stored.block_hashes) == len(stored.tiers) == len(stored.token_ids) // 4
-    # Every block the answer's forward passes wrote is on the device; the tail's is not, yet.
-    fed = len(prompt) + len(answer) - 1
-    assert stored.tiers[: fed // 4] == ["device"] * (fed // 4)
-    assert stored.tiers[-1] == "none"
+    assert (stored.model_id, stored.namespace, stored.block_size) == ("model-a", "model-a|", 4)
+    assert stored_meta.owner == "replica-a"  # the replica that served it: the session's
 
     await conversations.wait_for_tail(session_id)
     first, tail = engine.requests
@@ -181,7 +170,7 @@ async def test_a_turn_streams_stores_its_page_map_and_then_prefills_the_tail(
     assert (first.persist, tail.persist) == (False, True)
     # The next turn finds every full block of the stored conversation cached.
     pages = await engine.pages_of(stored.token_ids, tail.scope)
-    assert pages.tiers == [Tier.DEVICE] * len(stored.block_hashes)
+    assert pages.tiers == [Tier.DEVICE] * (len(stored.token_ids) // 4)
 
 
 async def test_a_prompt_past_the_context_is_refused_and_nothing_is_stored(

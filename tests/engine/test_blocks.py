@@ -980,6 +980,7 @@ def test_check_invariants_catches_a_table_holding_a_released_block() -> None:
         bm.check_invariants([seq])
 
 
+@pytest.mark.server
 def test_check_invariants_holds_under_python_dash_o() -> None:
     """Raised, not asserted: optimized Python, which drops every assert, still reports a
     leak (the server's exit status depends on it)."""

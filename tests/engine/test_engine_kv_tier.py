@@ -1,4 +1,4 @@
-"""The engine with a third KV tier (service/kvtier) on real backends: a history saved by one
+"""The engine with a third KV tier (service/engine/kvtier) on real backends: a history saved by one
 engine is loaded by another instead of recomputed, with the same greedy tokens; bad blocks,
 a stalled or stopped tier and aborts cost only recompute, and the pools stay balanced."""
 
@@ -14,12 +14,12 @@ import torch
 
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
+from service.engine.kvtier.config import KVTierConfig
+from service.engine.kvtier.dir_backend import DirBackend
 from service.engine.loader import load_model
 from service.engine.params import SamplingParams
 from service.engine.sequence import SequenceStatus
 from service.engine.values import RequestOutput
-from service.kvtier.config import KVTierConfig
-from service.kvtier.dir_backend import DirBackend
 from tests.api.test_redis_outage import RedisProcess, redis_server
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import Generated, assert_same_greedy, greedy
@@ -164,6 +164,7 @@ def test_a_foreign_models_blocks_under_our_keys_are_rejected(
     assert_same_greedy({"r": reference}, {"r": got})
 
 
+@pytest.mark.server
 def test_others_keep_decoding_while_a_sequence_waits_on_a_stalled_tier(
     make_engine: EngineFactory, redis_server: RedisProcess
 ) -> None:
@@ -198,6 +199,7 @@ def test_others_keep_decoding_while_a_sequence_waits_on_a_stalled_tier(
     assert_same_greedy({"r": reference}, {"r": got})  # and the turn was recomputed
 
 
+@pytest.mark.server
 def test_a_stopped_redis_tier_never_fails_a_request(
     make_engine: EngineFactory, redis_server: RedisProcess
 ) -> None:
@@ -217,6 +219,7 @@ def test_a_stopped_redis_tier_never_fails_a_request(
     assert stats is not None and stats.write_errors + stats.read_errors >= 1
 
 
+@pytest.mark.server
 def test_a_full_redis_tier_never_fails_a_request(
     make_engine: EngineFactory, redis_server: RedisProcess
 ) -> None:

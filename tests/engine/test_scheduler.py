@@ -8,12 +8,18 @@ computed, and a chunk that reaches the end of its sequence appends one sampled t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from service.engine.blocks import BlockManager, PrefixHit
+from service.engine.blocks import BlockManager, BlockOp, OpKind, PrefixHit, hash_blocks
 from service.engine.config import PreemptionMode
+from service.engine.kvtier.connector import MIN_LOAD_BLOCKS, TierScheduler, TierState
+from service.engine.kvtier.dir_backend import DirBackend
+from service.engine.kvtier.record import BlockLayout
+from service.engine.kvtier.tier import KVTier
 from service.engine.params import SamplingParams
 from service.engine.scheduler import Scheduler, StepBatch
 from service.engine.sequence import Sequence, SequenceStatus
@@ -31,12 +37,19 @@ class Harness:
         cpu_blocks: int = 16,
         budget: int = 8,
         mode: PreemptionMode = PreemptionMode.SWAP,
+        tier: TierScheduler | None = None,
     ) -> None:
+        # A third tier is found through the prefix cache: with one, the cache is on.
         self.bm = BlockManager(
-            device_blocks, cpu_blocks, BLOCK_SIZE, namespace="t", enable_prefix_caching=False
+            device_blocks,
+            cpu_blocks,
+            BLOCK_SIZE,
+            namespace="t",
+            enable_prefix_caching=tier is not None,
+            save_evicted=tier is not None,
         )
         self.scheduler = Scheduler(
-            self.bm, max_num_seqs=8, max_num_batched_tokens=budget, preemption_mode=mode
+            self.bm, max_num_seqs=8, max_num_batched_tokens=budget, preemption_mode=mode, tier=tier
         )
         self.seqs: list[Sequence] = []
 
@@ -185,3 +198,94 @@ def test_swapped_sequences_come_back_before_any_waiting_request_is_admitted(
     assert served(h.step()) == [("newest", 1), ("waiting", 2)]
     assert newest.status is SequenceStatus.RUNNING
     assert {b.tier for b in newest.block_table} == {Tier.DEVICE}
+
+
+# The third tier, through its scheduler side: a real tier over a directory, blocks of one
+# layer, one head of two dimensions.
+LAYOUT = BlockLayout("tiny", "t", torch.float32, (1, 2, BLOCK_SIZE, 1, 2))
+
+
+@pytest.fixture
+def kv_tier(tmp_path: Path) -> Iterator[KVTier]:
+    kv_tier = KVTier([DirBackend(tmp_path, cap_bytes=1 << 20)], LAYOUT)
+    yield kv_tier
+    kv_tier.close()
+
+
+@pytest.fixture
+def tier(kv_tier: KVTier) -> TierScheduler:
+    return TierScheduler(kv_tier)
+
+
+def stored(kv_tier: KVTier, token_ids: list[int], num_blocks: int) -> list[int]:
+    """The first `num_blocks` full blocks of `token_ids` written to the tier; their hashes."""
+    hashes = hash_blocks(token_ids, BLOCK_SIZE, "t")[:num_blocks]
+    kv_tier.save(hashes, torch.randn(1, 2, num_blocks, BLOCK_SIZE, 1, 2))
+    assert kv_tier.flush()
+    return hashes
+
+
+def test_a_prompt_missing_the_pools_waits_on_the_tier_holding_no_blocks_then_loads(
+    harness: MakeHarness, kv_tier: KVTier, tier: TierScheduler
+) -> None:
+    h = harness(budget=8, tier=tier)
+    prompt = h.add("prompt", 5 * BLOCK_SIZE + 1)
+    hashes = stored(kv_tier, prompt.token_ids, 5)
+    assert served(h.step()) == []  # asked the tier: nothing to run meanwhile
+    assert prompt.status is SequenceStatus.LOADING and prompt.block_table == []
+    assert h.scheduler.loading == [prompt]
+    assert prompt.tier is not None and prompt.tier.ticket is not None
+    assert prompt.tier.ticket.done.wait(10)
+    batch = h.step()
+    assert served(batch) == [("prompt", 1)]  # the five blocks loaded, one token computed
+    assert [run.hashes for run in batch.loaded] == [hashes]
+    assert [(op.kind, op.src) for op in batch.block_ops] == [(OpKind.LOAD, i) for i in range(5)]
+    assert prompt.num_loaded_tokens == 5 * BLOCK_SIZE and prompt.num_cached_tokens == 0
+    assert prompt.tier.run is None  # handed to the step; asked once per admission
+    assert not h.scheduler.loading
+
+
+def test_a_gap_shorter_than_min_load_blocks_is_recomputed_without_asking(
+    harness: MakeHarness, kv_tier: KVTier, tier: TierScheduler
+) -> None:
+    h = harness(budget=32, tier=tier)
+    prompt = h.add("prompt", (MIN_LOAD_BLOCKS - 1) * BLOCK_SIZE + 1)
+    stored(kv_tier, prompt.token_ids, MIN_LOAD_BLOCKS - 1)
+    assert served(h.step()) == [("prompt", prompt.num_prompt_tokens)]
+    assert prompt.tier is None and prompt.num_loaded_tokens == 0
+
+
+def test_removing_a_loading_sequence_gives_its_load_up(
+    harness: MakeHarness, tier: TierScheduler
+) -> None:
+    h = harness(tier=tier)
+    prompt = h.add("prompt", 6 * BLOCK_SIZE + 1)
+    h.step()
+    assert prompt.tier is not None and (ticket := prompt.tier.ticket) is not None
+    prompt.status = SequenceStatus.FINISHED
+    h.scheduler.remove(prompt)
+    assert ticket.cancelled and prompt.tier.ticket is None and prompt.tier.run is None
+    assert not h.scheduler.loading and not h.scheduler.has_work()
+
+
+def test_a_sequence_preempted_for_recompute_asks_the_tier_again(
+    harness: MakeHarness, tier: TierScheduler
+) -> None:
+    h = harness(device_blocks=3, cpu_blocks=0, budget=8, tier=tier)
+    h.decoding("first", 3)
+    newest = h.decoding("newest", 6)
+    newest.tier = TierState(start=0, ticket=None)  # as if it had asked when admitted
+    assert h.step().preempted == [newest]
+    assert newest.tier is None  # its blocks may be in the tier by now
+
+
+def test_save_ops_of_blocks_the_tier_holds_already_are_dropped(
+    kv_tier: KVTier, tier: TierScheduler
+) -> None:
+    [held] = stored(kv_tier, list(range(BLOCK_SIZE)), 1)  # written by this process: known
+    ops = [
+        BlockOp(OpKind.SAVE_CPU, 0, -1, held),
+        BlockOp(OpKind.SWAP_OUT, 1, 0),
+        BlockOp(OpKind.SAVE_DEVICE, 2, -1, held + 1),
+    ]
+    assert tier.saves_needed(ops) == ops[1:]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from service.kvtier.record import BlockLayout
+from service.engine.kvtier.record import BlockLayout
 from tests.api.server import REDIS_URL, delete_prefix, unique_prefix
 from tests.api.test_redis_outage import redis_server
 

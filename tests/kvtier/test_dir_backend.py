@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.kvtier.backend import BackendUnavailable
-from service.kvtier.dir_backend import DirBackend
+from service.engine.kvtier.backend import BackendUnavailable
+from service.engine.kvtier.dir_backend import DirBackend
 
 TAG = "00112233aabbccdd"
 

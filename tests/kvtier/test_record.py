@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.kvtier import record
-from service.kvtier.record import Rejected
+from service.engine.kvtier import record
+from service.engine.kvtier.record import Rejected
 from tests.kvtier.conftest import blocks, layout
 
 

@@ -8,8 +8,8 @@ import time
 import pytest
 import redis
 
-from service.kvtier.backend import BackendUnavailable
-from service.kvtier.redis_backend import RedisBackend
+from service.engine.kvtier.backend import BackendUnavailable
+from service.engine.kvtier.redis_backend import RedisBackend
 from tests.api.test_redis_outage import RedisProcess
 
 TAG = "00112233aabbccdd"
@@ -72,6 +72,7 @@ def test_rewriting_a_key_does_not_count_its_bytes_twice(redis_url: str, redis_pr
         b.close()
 
 
+@pytest.mark.server
 def test_a_stopped_server_raises_backend_unavailable(redis_server: RedisProcess) -> None:
     b = backend(f"unix://{redis_server.socket}", "kv:")
     try:

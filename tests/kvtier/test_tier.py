@@ -7,13 +7,14 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 
-from service.kvtier.backend import Backend
-from service.kvtier.dir_backend import DirBackend
-from service.kvtier.redis_backend import RedisBackend
-from service.kvtier.tier import WRITER_NICE, KVTier, LoadedRun
+from service.engine.kvtier.backend import Backend
+from service.engine.kvtier.dir_backend import DirBackend
+from service.engine.kvtier.redis_backend import RedisBackend
+from service.engine.kvtier.tier import WRITER_NICE, KVTier, LoadedRun
 from tests.api.test_redis_outage import RedisProcess
 from tests.kvtier.conftest import blocks, layout
 
@@ -141,6 +142,7 @@ def test_the_directory_is_read_before_redis_and_writes_reach_both(
         reader.close()
 
 
+@pytest.mark.server
 def test_a_stopped_redis_costs_blocks_not_exceptions(redis_server: RedisProcess) -> None:
     backend = RedisBackend(
         f"unix://{redis_server.socket}", prefix="kv:", cap_bytes=1 << 20, ttl_s=60,
@@ -165,6 +167,7 @@ def test_a_stopped_redis_costs_blocks_not_exceptions(redis_server: RedisProcess)
         tier.close()
 
 
+@pytest.mark.server
 def test_a_stalled_redis_gives_up_within_the_io_timeout(redis_server: RedisProcess) -> None:
     url = f"unix://{redis_server.socket}"
     backend = RedisBackend(url, prefix="kv:", cap_bytes=1 << 20, ttl_s=60, io_timeout_s=0.5)
@@ -183,6 +186,7 @@ def test_a_stalled_redis_gives_up_within_the_io_timeout(redis_server: RedisProce
         tier.close()
 
 
+@pytest.mark.server
 def test_a_load_past_its_timeout_is_given_up(redis_server: RedisProcess) -> None:
     url = f"unix://{redis_server.socket}"
     backend = RedisBackend(url, prefix="kv:", cap_bytes=1 << 20, ttl_s=60, io_timeout_s=5.0)

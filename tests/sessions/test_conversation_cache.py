@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from service.api.access.gate import cache_salt_for
@@ -26,10 +27,7 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 def cache(engine: FakeEngine, *, share_across_sessions: bool = False) -> ConversationCache:
     return ConversationCache(
-        engine,
-        ChatFormat(engine.tokenizer),
-        replica_id="replica-a",
-        share_across_sessions=share_across_sessions,
+        engine, ChatFormat(engine.tokenizer), share_across_sessions=share_across_sessions
     )
 
 
@@ -60,24 +58,20 @@ def test_global_scope_shares_everything_within_a_tenant_and_tenants_never(
     assert cache(engine).scope(cache_salt_for("alice"), "sid", None).salt == alice.salt
 
 
-async def test_the_page_map_says_where_each_full_block_is_and_who_wrote_it(
+async def test_the_page_map_is_the_ids_and_what_they_were_computed_under_not_where_blocks_are(
     engine: FakeEngine,
 ) -> None:
     conversations = cache(engine)
-    scope = conversations.scope("", "sid", None)
     ids = list(range(100, 114))  # 3 full blocks of 4, and 2 tokens
-    assert (await conversations.page_map(ids, scope)).tiers == ["none"] * 3
+    before = conversations.page_map(ids)
+    scope = conversations.scope("", "sid", None)
     async for _ in engine.generate(ids[:9], cache_scope=scope):  # computes the first 2 blocks
         pass
-    page_map = await conversations.page_map(ids, scope)
-    assert page_map.tiers == ["device", "device", "none"]
-    assert page_map.block_hashes == (await engine.pages_of(ids, scope)).block_hashes
+    page_map = conversations.page_map(ids)
     assert (page_map.token_ids, page_map.block_size) == (ids, 4)
-    assert (page_map.model_id, page_map.namespace, page_map.replica) == (
-        "model-a",
-        "model-a|",
-        "replica-a",
-    )
+    assert (page_map.model_id, page_map.namespace) == ("model-a", "model-a|")
+    # Where the blocks are is the engine's to find at the next turn: the record never says.
+    assert msgspec.structs.replace(before, updated=page_map.updated) == page_map
 
 
 async def test_the_tail_prefill_is_one_prefill_only_request_the_next_turn_waits_for(

@@ -164,14 +164,7 @@ def turn(session_id: str) -> tuple[list[Message], PageMap]:
     ]
     tokens = [ord(c) for m in messages for c in m.content]
     page_map = PageMap(
-        token_ids=tokens,
-        block_size=16,
-        block_hashes=[],
-        tiers=[],
-        namespace="model|",
-        model_id="model",
-        replica="r",
-        updated=1.0,
+        token_ids=tokens, block_size=16, namespace="model|", model_id="model", updated=1.0
     )
     return messages, page_map
 
@@ -218,6 +211,7 @@ def test_sentinel_urls_name_the_sentinels_the_service_and_the_database() -> None
             SentinelURL.parse(bad)
 
 
+@pytest.mark.server
 async def test_writes_resume_on_the_promoted_replica_after_the_master_dies(
     cluster: Cluster,
 ) -> None:

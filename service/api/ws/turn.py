@@ -35,7 +35,7 @@ from service.api.observability.metrics import Metrics
 from service.api.ws.sender import ClientGone
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
-from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput
+from service.engine.values import EngineDeadError, RequestError, RequestOutput
 from service.engine.values import FinishReason as EngineFinishReason
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
@@ -172,7 +172,7 @@ class Turn:
             if failure is None or self.answer:  # whatever ended it, what was said is kept
                 ids = prompt + self.answer + conversations.chat_format.close_turn(self.answer)
                 try:
-                    await self._store(lease, ids, reason, scope)
+                    await self._store(lease, ids, reason)
                 except (redis.exceptions.RedisError, LeaseLost) as exc:
                     log.error("could not store turn %s of %s: %s", meta.turns, self.session_id, exc)
                     raise FrameError(
@@ -238,10 +238,8 @@ class Turn:
             raise exc  # KeyboardInterrupt and the like are not the turn's to handle
         return FinishReason.ERROR, failure
 
-    async def _store(
-        self, lease: TurnLease, ids: list[int], reason: FinishReason, scope: CacheScope
-    ) -> None:
-        page_map = await self.conversations.page_map(ids, scope)
+    async def _store(self, lease: TurnLease, ids: list[int], reason: FinishReason) -> None:
+        page_map = self.conversations.page_map(ids)
         now = page_map.updated
         messages = [
             Message(role=Role.USER, content=self.content, created=now),

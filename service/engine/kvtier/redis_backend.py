@@ -21,7 +21,7 @@ from typing import Any, cast
 import redis
 import redis.exceptions
 
-from service.kvtier.backend import BackendUnavailable, BackendUsage
+from service.engine.kvtier.backend import BackendUnavailable, BackendUsage
 
 # KEYS: block, lru, sizes, bytes. ARGV: record, ttl s, now, cap bytes.
 # -> {evicted, total bytes, entries}

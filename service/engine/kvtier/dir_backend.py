@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.kvtier.backend import BackendUnavailable, BackendUsage
+from service.engine.kvtier.backend import BackendUnavailable, BackendUsage
 
 SUFFIX = ".kvb"
 RESCAN_S = 5.0

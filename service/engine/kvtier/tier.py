@@ -1,8 +1,8 @@
 """KVTier: what the engine hands blocks to and asks blocks of, and the threads doing the I/O.
 
 The engine thread calls `save` (never waits: the blocks are queued, or dropped past
-`max_pending_mb`) and `load` (returns a ticket at once; the reader thread fills it). Only the
-tier's own threads touch the backends.
+`max_pending_mb`) and `load` (returns a ticket at once; the reader thread fills it), through
+the engine's connector (connector.py) only. Only the tier's own threads touch the backends.
 
 NOTE (several backends): writes go to every backend; a read asks them in order (the local
 directory before a shared Redis), each for the blocks the ones before it lacked. The run a
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.engine.kvtier import record
+from service.engine.kvtier.backend import Backend, BackendUnavailable, BackendUsage
+from service.engine.kvtier.config import KVTierConfig
+from service.engine.kvtier.dir_backend import DirBackend
+from service.engine.kvtier.record import BlockLayout, Rejected
+from service.engine.kvtier.redis_backend import RedisBackend
 from service.engine.values import BackendStats, KVTierStats
-from service.kvtier import record
-from service.kvtier.backend import Backend, BackendUnavailable, BackendUsage
-from service.kvtier.config import KVTierConfig
-from service.kvtier.dir_backend import DirBackend
-from service.kvtier.record import BlockLayout, Rejected
-from service.kvtier.redis_backend import RedisBackend
 
 log = logging.getLogger(__name__)
 

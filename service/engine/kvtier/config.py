@@ -15,7 +15,7 @@ CODEC_NAMES = ("raw", "int8", "zstd", "int8-zstd")
 @dataclass(slots=True)
 class KVTierConfig:
     """The third tier's settings: `pagechat serve --kv-tier-*` options and PAGECHAT_KV_TIER_*
-    variables (service.api.options, the `kv_tier` group). The tier is on when a directory or
+    variables (service.server.options, the `kv_tier` group). The tier is on when a directory or
     a Redis URL is given."""
 
     directory: Path | None = setting(
