@@ -27,13 +27,11 @@ from service.engine.values import (
     EngineStats,
     FinishReason,
     KVInvariantError,
-    KVPages,
     KVSnapshot,
     PoolUsage,
     RequestError,
     RequestOutput,
     StepTiming,
-    Tier,
 )
 from tests.tiny_model import gguf_tokenizer
 
@@ -116,9 +114,9 @@ class FakeEngine:
             timing=StepTiming(),
         )
 
-    async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:
-        hashes = self._hashes(token_ids, scope)
-        return KVPages(hashes, [Tier.DEVICE if h in self._cached else None for h in hashes])
+    def cached(self, token_ids: list[int], scope: CacheScope | None) -> list[bool]:
+        """Whether each full block of `token_ids` in `scope` is in the (fake) prefix cache."""
+        return [h in self._cached for h in self._hashes(token_ids, scope)]
 
     async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         raise EngineDeadError("the fake engine keeps no pools")

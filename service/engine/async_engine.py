@@ -38,7 +38,6 @@ from service.engine.values import (
     EngineLimits,
     EnginePrecision,
     EngineStats,
-    KVPages,
     KVSnapshot,
     RequestError,
     RequestOutput,
@@ -70,16 +69,7 @@ class _Snapshot:
     max_sequences: int
 
 
-@dataclass(slots=True)
-class _Pages:
-    """Ask where a conversation's blocks are, between two steps."""
-
-    future: asyncio.Future[KVPages]
-    token_ids: list[int]
-    scope: CacheScope | None
-
-
-_Command = _Add | _Abort | _Snapshot | _Pages
+_Command = _Add | _Abort | _Snapshot
 
 
 @dataclass(slots=True)
@@ -171,15 +161,6 @@ class AsyncEngine:
         if tier is None:
             return self._stats
         return dataclasses.replace(self._stats, kv_tier=tier.stats())
-
-    async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:
-        """The block hashes of `token_ids` in `scope`, and where each block is now: read
-        between two steps, or at once if the engine thread has ended (nothing moves blocks
-        then), so a turn can store its page map even after the engine failed."""
-        future: asyncio.Future[KVPages] = asyncio.get_running_loop().create_future()
-        if not self._ask(_Pages(future, list(token_ids), scope)):
-            return self.engine.pages_of(token_ids, scope)
-        return await future
 
     async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         """The KV pools slot by slot and the live block tables, taken between two steps."""
@@ -287,10 +268,6 @@ class AsyncEngine:
             if isinstance(command, _Snapshot):
                 self._post(_resolve, command.future, self.engine.kv_snapshot(command.max_sequences))
                 continue
-            if isinstance(command, _Pages):
-                pages = self.engine.pages_of(command.token_ids, command.scope)
-                self._post(_resolve, command.future, pages)
-                continue
             try:
                 self.engine.add_request(
                     command.request_id,
@@ -309,17 +286,13 @@ class AsyncEngine:
 
     def _settle_leftovers(self) -> None:
         """Answer the commands queued after the thread's last look at its queue (they would
-        wait forever otherwise): pages from the engine as it was left; no snapshot, no new
-        request."""
+        wait forever otherwise): no snapshot, no new request."""
         for command in self._pending_commands():
             if isinstance(command, _Add):
                 self._post(self._reject, command.request_id, EngineDeadError("the engine stopped"))
             elif isinstance(command, _Snapshot):
                 why = "stopped" if self._error is None else f"failed: {self._error!r}"
                 self._post(_fail, command.future, EngineDeadError(f"the engine {why}"))
-            elif isinstance(command, _Pages):
-                pages = self.engine.pages_of(command.token_ids, command.scope)
-                self._post(_resolve, command.future, pages)
 
     def _post(self, callback: object, *args: object) -> None:
         assert self._loop is not None

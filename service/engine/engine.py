@@ -39,7 +39,6 @@ from service.engine.values import (
     EngineStats,
     FinishReason,
     KVInvariantError,
-    KVPages,
     KVSnapshot,
     RequestError,
     RequestOutput,
@@ -59,6 +58,15 @@ class _Request:
     stop_checkers: dict[int, StopChecker] = field(default_factory=dict)
     forked: bool = False
     persist: bool = False  # save its blocks to the third tier when it finishes
+
+
+@dataclass(slots=True, frozen=True)
+class KVPages:
+    """Where a token sequence's KV pages are now: each full block's chain hash, in order, and
+    the tier holding that block (None: in no pool; a later prefill computes it again)."""
+
+    block_hashes: list[int]
+    tiers: list[Tier | None]
 
 
 class LLMEngine:

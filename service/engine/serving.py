@@ -7,7 +7,7 @@ service without a model. Nothing on the service side reaches past it into the LL
 block manager or its runner.
 
 NOTE (threads): every method is called on the event loop. What reads the engine's state
-(`pages_of`, `kv_snapshot`) is answered by the engine thread between two steps, so no loop
+(`kv_snapshot`) is answered by the engine thread between two steps, so no loop
 code reads blocks while the engine moves them; `stats` is the snapshot published after the
 latest step.
 NOTE (abort): leaving `generate`'s iteration before it ends (use `contextlib.aclosing`), or
@@ -25,7 +25,6 @@ from service.engine.values import (
     EngineLimits,
     EnginePrecision,
     EngineStats,
-    KVPages,
     KVSnapshot,
     RequestOutput,
     TextTokenizer,
@@ -74,10 +73,6 @@ class ServingEngine(Protocol):
         """Every sample's outputs until all have finished; RequestError for a request the
         engine cannot take, EngineDeadError once the engine has failed (NOTE (abort)).
         `persist`: its full blocks also go to the third KV tier when it finishes."""
-        ...
-
-    async def pages_of(self, token_ids: list[int], scope: CacheScope | None) -> KVPages:
-        """The block hashes of `token_ids` in `scope`, and where each block is now."""
         ...
 
     async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:

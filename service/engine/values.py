@@ -1,7 +1,7 @@
 """The engine's values: what crosses the seam between the engine and the service.
 
 Requests go in with a `CacheScope`; `RequestOutput`s, a `FinishReason` and the errors come
-out; `EngineStats`, `KVSnapshot` and `KVPages` describe the engine to /v1/stats, /metrics,
+out; `EngineStats` and `KVSnapshot` describe the engine to /v1/stats, /metrics,
 /v1/kv and the page maps. The service (`service/api`, `service/sessions`) imports the engine
 only through this module, `serving` (the interface) and `params` (`SamplingParams`);
 tests/test_import_graph.py holds it to that. A leaf: the standard library and msgspec only,
@@ -270,12 +270,3 @@ class KVSnapshot:
     cpu: list[SlotState]
     sequences: list[SequencePages]
     num_sequences: int  # live sequences in all; `sequences` may list only the first ones
-
-
-@dataclass(slots=True, frozen=True)
-class KVPages:
-    """Where a token sequence's KV pages are now: each full block's chain hash, in order, and
-    the tier holding that block (None: in no pool; a later prefill computes it again)."""
-
-    block_hashes: list[int]
-    tiers: list[Tier | None]

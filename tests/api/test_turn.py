@@ -13,7 +13,6 @@ from protocol.frames import Delta, Done, ErrorCode, FinishReason, FrameError, Se
 from service.api.observability.metrics import Metrics
 from service.api.ws.turn import Turn
 from service.engine.params import SamplingParams
-from service.engine.values import Tier
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.prompt import ChatFormat
@@ -169,8 +168,7 @@ async def test_a_turn_streams_stores_its_page_map_and_then_prefills_the_tail(
     # Only the stored conversation's blocks are offered to the third tier, not the turn's own.
     assert (first.persist, tail.persist) == (False, True)
     # The next turn finds every full block of the stored conversation cached.
-    pages = await engine.pages_of(stored.token_ids, tail.scope)
-    assert pages.tiers == [Tier.DEVICE] * (len(stored.token_ids) // 4)
+    assert engine.cached(stored.token_ids, tail.scope) == [True] * (len(stored.token_ids) // 4)
 
 
 async def test_a_prompt_past_the_context_is_refused_and_nothing_is_stored(

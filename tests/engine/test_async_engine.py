@@ -10,9 +10,8 @@ import threading
 import pytest
 
 from service.engine.async_engine import AsyncEngine
-from service.engine.blocks import hash_blocks
 from service.engine.params import SamplingParams
-from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput, Tier
+from service.engine.values import CacheScope, EngineDeadError, RequestError, RequestOutput
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import greedy, run
 
@@ -145,29 +144,6 @@ async def test_a_kv_snapshot_is_taken_between_steps_and_refused_once_stopped(
         await engine.stop()
     with pytest.raises(EngineDeadError):
         await engine.kv_snapshot()
-
-
-async def test_pages_of_a_conversation_are_read_on_the_engine_thread_and_once_it_stopped(
-    make_engine: EngineFactory,
-) -> None:
-    engine = AsyncEngine(make_engine(block_size=4))
-    await engine.start()
-    ids = prompt(9, 14)  # 3 full blocks and 2 tokens
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        async with contextlib.aclosing(engine.generate(ids, params, "pages")) as stream:
-            await anext(stream)
-            # Asked while the request decodes: its prompt's full blocks are on the device.
-            running = await engine.pages_of(ids, None)
-            assert running.tiers == [Tier.DEVICE] * 3
-            assert running.block_hashes == hash_blocks(ids, 4, engine.namespace)
-        unseen = await engine.pages_of(prompt(10, 14), None)
-        assert unseen.tiers == [None] * 3
-    finally:
-        await engine.stop()
-    # No thread any more: answered at once, from the blocks as the engine left them (cached).
-    assert await engine.pages_of(ids, None) == running
-    assert (await engine.pages_of(ids, CacheScope(salt="other"))).tiers == [None] * 3
 
 
 async def test_a_kv_snapshot_asked_for_when_the_engine_fails_fails_too(
