@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 import time
@@ -42,6 +43,8 @@ import msgspec
 import redis.asyncio as aioredis
 
 from service.sessions.models import Message, PageMap, SessionMeta
+
+log = logging.getLogger(__name__)
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
@@ -207,8 +210,21 @@ class SessionStore:
         fields = _decode_fields(raw_meta)
         if "secret_sha256" not in fields:
             raise SessionNotFound(f"unknown or expired session {session_id}")
-        page_map = None if raw_page_map is None else self._page_map.decode(raw_page_map)
-        return _meta(session_id, fields), page_map
+        return _meta(session_id, fields), self._decode_page_map(session_id, raw_page_map)
+
+    def _decode_page_map(self, session_id: str, raw: bytes | None) -> PageMap | None:
+        """None where there is none, or where it is not a record this version reads (another
+        version's, during a rolling update): the turn then renders the stored messages, as
+        for another model's page map, and recomputes; the next turn stores a readable one."""
+        if raw is None:
+            return None
+        try:
+            return self._page_map.decode(raw)
+        except msgspec.MsgspecError as exc:
+            log.warning(
+                "the page map of session %s is unreadable (%s); rebuilt from text", session_id, exc
+            )
+            return None
 
     async def messages(self, session_id: str) -> list[Message]:
         raw = cast(list[bytes], await self._redis.lrange(self.messages_key(session_id), 0, -1))

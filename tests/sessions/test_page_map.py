@@ -1,12 +1,18 @@
 """PageMap (service/sessions/models.py) as Redis holds it: page maps written before the record
-lost its per-block fields (`block_hashes`, `tiers`, `replica`) still load, and what is written
-now is the ids and what they were computed under, nothing else."""
+lost its per-block fields (`block_hashes`, `tiers`, `replica`) still load, what is written
+now is the ids and what they were computed under, nothing else, and a record this version
+cannot read costs a recompute, not the session."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
+import redis
 
 from service.sessions.models import PageMap
+from service.sessions.redis_server import connect
+from service.sessions.store import SessionStore
+from tests.api.server import REDIS_URL, delete_prefix, unique_prefix
 
 # A page map as the earlier code wrote it (msgpack, as under session:{id}:pagemap): ids
 # [1, 2, 3, 4, 5, 300, 70000], block size 4, one 64-bit block hash, tier "none", namespace
@@ -35,3 +41,24 @@ def test_a_page_map_is_written_without_per_block_fields() -> None:
     fields = msgspec.msgpack.decode(msgspec.msgpack.encode(page_map))
     assert set(fields) == {"token_ids", "block_size", "namespace", "model_id", "updated"}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(page_map), type=PageMap) == page_map
+
+
+async def test_a_page_map_this_version_cannot_read_loads_as_none_and_the_session_survives(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another version's record (a rolling update): the turn falls back to the stored text,
+    as for another model's page map, instead of failing."""
+    prefix = unique_prefix()
+    store = SessionStore(connect(REDIS_URL), prefix=prefix, ttl_s=600, replica="r")
+    try:
+        created = await store.create(model_id="m", system=None)
+        sid = created.meta.session_id
+        foreign = msgspec.msgpack.encode({"tokens": [1, 2], "format": 9})
+        with redis.Redis.from_url(REDIS_URL) as raw:
+            raw.set(store.page_map_key(sid), foreign)
+        meta, page_map = await store.load(sid)
+        assert meta.session_id == sid and page_map is None
+        assert "unreadable" in caplog.text
+    finally:
+        await store.close()
+        delete_prefix(prefix)
