@@ -39,7 +39,7 @@ def test_a_string_prompt_is_plain_text_and_ids_or_a_list_of_one_work_too() -> No
 
 
 def test_nulls_mean_defaults_and_the_default_answer_is_short() -> None:
-    nulls = dict.fromkeys(CompletionRequest.__struct_fields__[1:])
+    nulls = dict.fromkeys(f for f in CompletionRequest.__struct_fields__ if f != "prompt")
     params = completion_params(decode(**nulls), Limits(), 5, 2048)
     assert params == completion_params(decode(), Limits(), 5, 2048)
     assert params.max_tokens == Limits().default_completion_tokens == 16

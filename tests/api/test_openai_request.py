@@ -16,13 +16,13 @@ from service.api.limits import Limits
 from service.api.openai.chat_request import (
     ChatCompletionRequest,
     ChatMessageIn,
-    StreamOptions,
     chat_params,
     decode_request,
     render_prompt,
 )
 from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError
+from service.api.openai.params import StreamOptions
 from service.api.openai.routes import http_error
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat
@@ -61,9 +61,7 @@ def test_stop_takes_a_string_or_a_list_and_max_completion_tokens_wins() -> None:
 
 
 def test_explicit_nulls_mean_the_defaults() -> None:
-    nulls = dict.fromkeys(
-        ChatCompletionRequest.__struct_fields__[1:]  # every field but messages
-    )
+    nulls = dict.fromkeys(f for f in ChatCompletionRequest.__struct_fields__ if f != "messages")
     assert params(decode(**nulls)) == params(decode())
     assert params(decode()) == SamplingParams(max_tokens=Limits().default_max_tokens)
 

@@ -14,9 +14,10 @@ from starlette.responses import Response
 
 from service.api.observability.meter import AnswerMeter
 from service.api.observability.metrics import Metrics
-from service.api.openai.chat_request import ChatCompletionRequest, StreamOptions
+from service.api.openai.chat_request import ChatCompletionRequest
 from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError, invalid
+from service.api.openai.params import StreamOptions
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
 from service.engine.values import (

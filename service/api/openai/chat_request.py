@@ -23,7 +23,7 @@ from service.api.openai.errors import (
     model_not_found,
     unsupported,
 )
-from service.api.openai.params import engine_params, refuse_penalties
+from service.api.openai.params import SamplingFields, engine_params, refuse_penalties
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat, TemplateError
 
@@ -57,46 +57,22 @@ class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_call_id: str | None = None  # a tool message's: refused with its role
 
 
-class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, in every chunk
-    include_obfuscation: bool | None = None  # ignored: no padding is ever sent
-
-
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str  # only "text"; a json_schema's own fields are never read
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessageIn]
-    model: str | None = None
     # Honoured.
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
-    # vLLM's, honoured: top_k (0 or -1: off), ignore_eos, stop_token_ids, and cache_salt: a
-    # secret string salting this request's prefix-cache blocks, so that only requests with
-    # the same salt (and tenant) share them. Non-empty when given.
-    top_k: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
     # vLLM's, honoured: with a final assistant message, continue it (the default here) or
     # answer it with a new turn (add_generation_prompt: true).
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
     # Ignored: they change nothing an answer holds.
-    user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
@@ -107,23 +83,14 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    request_id: str | None = None  # vLLM's
-    # Accepted at their neutral values only (null, empty, 0, "none", ["text"]).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
-    min_tokens: int | None = None  # vLLM's, as are the four below
-    min_p: float | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
+    # Accepted at their neutral values only (null, empty, ["text"]).
     chat_template_kwargs: dict[str, Any] | None = None  # only empty
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
-    # SamplingErrorKind whenever given.
+    # Refused whenever given.
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import msgspec
 
 from service.api.limits import Limits
-from service.api.openai.chat_request import StreamOptions
 from service.api.openai.errors import (
     context_exceeded,
     decode_error,
@@ -18,7 +17,7 @@ from service.api.openai.errors import (
     model_not_found,
     unsupported,
 )
-from service.api.openai.params import engine_params, refuse_penalties
+from service.api.openai.params import SamplingFields, engine_params, refuse_penalties
 from service.engine.params import SamplingParams
 from service.engine.values import TextTokenizer
 
@@ -28,35 +27,10 @@ MAX_LOGPROBS = 20
 Prompt = str | list[str | int | list[int]]
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     prompt: Prompt
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: int | None = None  # this many top log-probabilities per token
-    # vLLM's (service.api.openai.chat_request.ChatCompletionRequest says how).
-    top_k: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    user: str | None = None  # ignored
-    request_id: str | None = None  # vLLM's, ignored
     # Accepted at their neutral values only.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    logit_bias: dict[str, float] | None = None  # honoured
     best_of: int | None = None  # only n
     echo: bool | None = None  # only false
     suffix: str | None = None  # only null

@@ -3,24 +3,12 @@ SamplingParams; and the fields accepted only at the value this server always beh
 
 from __future__ import annotations
 
-from typing import Protocol
+import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import context_exceeded, invalid
 from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
 from service.engine.params import SamplingParams
-
-
-class NeutralFields(Protocol):
-    frequency_penalty: float | None
-    presence_penalty: float | None
-    repetition_penalty: float | None
-    min_tokens: int | None
-    min_p: float | None
-    include_stop_str_in_output: bool | None
-    skip_special_tokens: bool | None
-    spaces_between_special_tokens: bool | None
-
 
 # Fields accepted at the value this server always behaves as, refused at any other.
 NEUTRAL = {
@@ -35,7 +23,7 @@ NEUTRAL = {
 }
 
 
-def refuse_penalties(req: NeutralFields) -> None:
+def refuse_penalties(req: SamplingFields) -> None:
     """Penalties, min_tokens and vLLM's detokenizing options: neutral values only."""
     for name, default in NEUTRAL.items():
         value = getattr(req, name)
@@ -45,18 +33,45 @@ def refuse_penalties(req: NeutralFields) -> None:
             )
 
 
-class SamplingFields(Protocol):
-    """The sampling fields the chat and the text completion requests share."""
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, in every chunk
+    include_obfuscation: bool | None = None  # ignored: no padding is ever sent
 
-    temperature: float | None
-    top_p: float | None
-    n: int | None
-    seed: int | None
-    stop: str | list[str] | None
-    top_k: int | None
-    ignore_eos: bool | None
-    stop_token_ids: list[int] | None
-    logit_bias: dict[str, float] | None
+
+class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The fields the chat and the text completion requests share: the model, the answer's
+    length and sampling, streaming, the cache salt, and those accepted only neutral."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
+    # vLLM's, honoured: top_k (0 or -1: off), ignore_eos, stop_token_ids, and cache_salt: a
+    # secret string salting this request's prefix-cache blocks, so that only requests with
+    # the same salt (and tenant) share them. Non-empty when given.
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    # Ignored: they change nothing an answer holds.
+    user: str | None = None
+    request_id: str | None = None  # vLLM's
+    # Accepted at their neutral values only (NEUTRAL).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
+    min_tokens: int | None = None  # vLLM's, as are the four below
+    min_p: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
 
 def engine_params(
