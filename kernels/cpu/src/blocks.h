@@ -10,7 +10,9 @@
 #include "simd.h"
 
 /* ---- the integers through a q32 (every version; x86 reads the simplest types directly) -- */
-/* unpack_<type>(block, s, q, d, m): sub-block s of the block; w = d[e / 16] q[e] + m. */
+/* unpack_<type>(block, s, q, d, m): sub-block s of the block; w = d[e / 16] q[e] + m.
+   Each version defines the same q32 operations for them: nibbles_16, nibbles_32, bits_16,
+   shifted_bits, q_or, q_sub, q_shl4, q_load. */
 
 /* the K types' six-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
 static inline void k_scale_min(const uint8_t *s, int j, float *sc, float *mn) {
@@ -49,14 +51,18 @@ static inline __m256i shifted_bits(const uint8_t *p, int shift, int mask) {
     return _mm256_and_si256(_mm256_srl_epi16(b, _mm_cvtsi32_si128(shift)),
                             _mm256_set1_epi8((char)mask));
 }
-#define Q_NIBBLES_16(p) nibbles_16(p)
-#define Q_NIBBLES_32(p, high) nibbles_32(p, high)
-#define Q_OR(a, b) _mm256_or_si256(a, b)
-#define Q_SUB(a, n) _mm256_sub_epi8(a, _mm256_set1_epi8(n))
-#define Q_SHL4(a) _mm256_slli_epi16(a, 4) /* bytes below 16 stay within their byte */
-#define Q_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
-#define Q_BITS_16(bits) bits_16(bits)
-#define Q_SHIFTED(p, shift, mask) shifted_bits(p, shift, mask)
+static inline q32 q_or(q32 a, q32 b) {
+    return _mm256_or_si256(a, b);
+}
+static inline q32 q_sub(q32 a, int n) {
+    return _mm256_sub_epi8(a, _mm256_set1_epi8((char)n));
+}
+static inline q32 q_shl4(q32 a) {
+    return _mm256_slli_epi16(a, 4); /* bytes below 16 stay within their byte */
+}
+static inline q32 q_load(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
 
 #elif defined(PC_ISA_NEON)
 static inline q32 nibbles_16(const uint8_t *p) {
@@ -112,14 +118,6 @@ static inline q32 q_load(const uint8_t *p) {
     q32 q = {{vld1q_s8((const int8_t *)p), vld1q_s8((const int8_t *)p + 16)}};
     return q;
 }
-#define Q_NIBBLES_16(p) nibbles_16(p)
-#define Q_NIBBLES_32(p, high) nibbles_32(p, high)
-#define Q_OR(a, b) q_or(a, b)
-#define Q_SUB(a, n) q_sub(a, n)
-#define Q_SHL4(a) q_shl4(a)
-#define Q_LOAD(p) q_load(p)
-#define Q_BITS_16(bits) bits_16(bits)
-#define Q_SHIFTED(p, shift, mask) shifted_bits(p, shift, mask)
 
 #else /* generic */
 static inline q32 nibbles_16(const uint8_t *p) {
@@ -166,14 +164,6 @@ static inline q32 q_load(const uint8_t *p) {
     memcpy(q.v, p, 32);
     return q;
 }
-#define Q_NIBBLES_16(p) nibbles_16(p)
-#define Q_NIBBLES_32(p, high) nibbles_32(p, high)
-#define Q_OR(a, b) q_or(a, b)
-#define Q_SUB(a, n) q_sub(a, n)
-#define Q_SHL4(a) q_shl4(a)
-#define Q_LOAD(p) q_load(p)
-#define Q_BITS_16(bits) bits_16(bits)
-#define Q_SHIFTED(p, shift, mask) shifted_bits(p, shift, mask)
 #endif
 
 /* Q4_0: fp16 d, 16 bytes of nibbles; w = d (q - 8) */
@@ -181,7 +171,7 @@ static inline q32 unpack_q4_0(const uint8_t *b, int s, float d[2], float *m) {
     (void)s;
     d[0] = d[1] = fp16_scale(b);
     *m = 0.0f;
-    return Q_SUB(Q_NIBBLES_16(b + 2), 8);
+    return q_sub(nibbles_16(b + 2), 8);
 }
 
 /* Q4_1: fp16 d and m, 16 bytes of nibbles; w = d q + m */
@@ -189,7 +179,7 @@ static inline q32 unpack_q4_1(const uint8_t *b, int s, float d[2], float *m) {
     (void)s;
     d[0] = d[1] = fp16_scale(b);
     *m = fp16_scale(b + 2);
-    return Q_NIBBLES_16(b + 4);
+    return nibbles_16(b + 4);
 }
 
 /* Q5_0: fp16 d, 32 high bits (bit e for element e), 16 bytes of nibbles; w = d (q - 16) */
@@ -199,7 +189,7 @@ static inline q32 unpack_q5_0(const uint8_t *b, int s, float d[2], float *m) {
     memcpy(&high, b + 2, sizeof high);
     d[0] = d[1] = fp16_scale(b);
     *m = 0.0f;
-    return Q_SUB(Q_OR(Q_NIBBLES_16(b + 6), Q_BITS_16(high)), 16);
+    return q_sub(q_or(nibbles_16(b + 6), bits_16(high)), 16);
 }
 
 /* Q8_0: fp16 d, 32 int8; w = d q */
@@ -207,7 +197,7 @@ static inline q32 unpack_q8_0(const uint8_t *b, int s, float d[2], float *m) {
     (void)s;
     d[0] = d[1] = fp16_scale(b);
     *m = 0.0f;
-    return Q_LOAD(b + 2);
+    return q_load(b + 2);
 }
 
 /* Q4_K: fp16 d and dmin, 12 bytes of six-bit (scale, min) pairs, 128 bytes of nibbles (32
@@ -217,7 +207,7 @@ static inline q32 unpack_q4_k(const uint8_t *b, int s, float d[2], float *m) {
     k_scale_min(b + 4, s, &sc, &mn);
     d[0] = d[1] = fp16_scale(b) * sc;
     *m = -fp16_scale(b + 2) * mn;
-    return Q_NIBBLES_32(b + 16 + 32 * (s / 2), s & 1);
+    return nibbles_32(b + 16 + 32 * (s / 2), s & 1);
 }
 
 /* Q5_K: Q4_K's fields and 32 bytes of high bits (bit s of byte e for sub-block s) before
@@ -227,7 +217,7 @@ static inline q32 unpack_q5_k(const uint8_t *b, int s, float d[2], float *m) {
     k_scale_min(b + 4, s, &sc, &mn);
     d[0] = d[1] = fp16_scale(b) * sc;
     *m = -fp16_scale(b + 2) * mn;
-    return Q_OR(Q_NIBBLES_32(b + 48 + 32 * (s / 2), s & 1), Q_SHL4(Q_SHIFTED(b + 16, s, 1)));
+    return q_or(nibbles_32(b + 48 + 32 * (s / 2), s & 1), q_shl4(shifted_bits(b + 16, s, 1)));
 }
 
 /* Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16
@@ -241,9 +231,9 @@ static inline q32 unpack_q6_k(const uint8_t *b, int s, float d[2], float *m) {
     d[0] = scale * (float)scales[0];
     d[1] = scale * (float)scales[1];
     *m = 0.0f;
-    const q32 low = Q_NIBBLES_32(b + 64 * half + 32 * (run & 1), run >= 2);
-    const q32 high = Q_SHL4(Q_SHIFTED(b + 128 + 32 * half, 2 * run, 3));
-    return Q_SUB(Q_OR(low, high), 32);
+    const q32 low = nibbles_32(b + 64 * half + 32 * (run & 1), run >= 2);
+    const q32 high = q_shl4(shifted_bits(b + 128 + 32 * half, 2 * run, 3));
+    return q_sub(q_or(low, high), 32);
 }
 
 /* ---- the integers as floats ------------------------------------------------------------ */
