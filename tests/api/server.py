@@ -145,19 +145,23 @@ async def wait_balanced(server: ServerProcess, timeout: float = 10.0) -> dict[st
 
 
 @contextlib.contextmanager
-def running_server(directory: Path, *args: str) -> Iterator[ServerProcess]:
-    """A server on the Redis at 127.0.0.1:6379 under a fresh key prefix, stopped (and its
-    keys deleted) at the end; a stop that is not clean (exit code != 0: pools not balanced
-    at shutdown) fails."""
-    prefix = unique_prefix()
+def running_server(
+    directory: Path, *args: str, prefix: str | None = None
+) -> Iterator[ServerProcess]:
+    """A server on the Redis at 127.0.0.1:6379 under a fresh key prefix (or `prefix`, whose
+    keys its owner deletes), stopped (and a fresh prefix's keys deleted) at the end; a stop
+    that is not clean (exit code != 0: pools not balanced at shutdown) fails."""
+    fresh = prefix is None
+    key_prefix = unique_prefix() if prefix is None else prefix
     server = start_server(
-        directory / "server.log", "--redis-url", REDIS_URL, "--redis-prefix", prefix, *args
+        directory / "server.log", "--redis-url", REDIS_URL, "--redis-prefix", key_prefix, *args
     )
     try:
         yield server
     finally:
         code = server.stop()
-        delete_prefix(prefix)
+        if fresh:
+            delete_prefix(key_prefix)
     assert code == 0, f"unclean exit {code}:\n{server.log()}"
 
 

@@ -32,7 +32,7 @@ from service.api.access.gate import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.refusal import Refusal, RefusalReason
 from service.server.config import ServerConfig
 from service.server.options import add_arguments, config_from_args
-from tests.api.server import REDIS_URL, ServerProcess, delete_prefix, start_server, unique_prefix
+from tests.api.server import ServerProcess, running_server
 from tests.api.test_limiter import Clock
 
 ALICE = "alice-key-0123456789"  # tenant-a, admin
@@ -194,28 +194,19 @@ def test_malformed_origins_and_proxies_are_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def prefix() -> Iterator[str]:
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(prefix)
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("server")
     keys = directory / "keys.txt"
     keys.write_text(KEYS_FILE)
-    server = start_server(
-        directory / "server.log",
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix),
+    with running_server(
+        directory,
         *("--dtype", "float32", "--num-device-blocks", "64", "--num-cpu-blocks", "64"),
         *("--max-model-len", "256", "--max-tokens", "16", "--default-max-tokens", "8"),
         *("--api-keys-file", str(keys), "--allowed-origins", ALLOWED),
         *("--trusted-proxies", "127.0.0.1"),
-    )
-    yield server
-    code = server.stop()
-    assert code == 0, f"unclean exit {code}:\n{server.log()}"
+        prefix=prefix,
+    ) as server:
+        yield server
 
 
 def fresh_address() -> str:
@@ -260,13 +251,6 @@ async def error(chat: ChatClient, code: str) -> Error:
     assert isinstance(frame, Error), frame
     assert frame.code == code and not frame.fatal, frame
     return frame
-
-
-@pytest.fixture
-def redis_client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
 
 
 @pytest.fixture

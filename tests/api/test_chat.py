@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -22,17 +22,16 @@ from clients.chat_client import Answer, ChatClient, ChatServerError
 from protocol.frames import Delta, Error
 from service.sessions.models import PageMap
 from service.sessions.prompt import ChatFormat
-from tests.api.server import (
-    REDIS_URL,
-    ServerProcess,
-    delete_prefix,
-    start_server,
-    unique_prefix,
-    wait_balanced,
-)
+from tests.api.server import ServerProcess, running_server
+from tests.engine.greedy import assert_same_answer
 from tests.tiny_model import gguf_tokenizer
 
-pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.real_model,
+    pytest.mark.timeout(180),
+    pytest.mark.usefixtures("balanced"),
+]
 
 # NOTE: float32, not the default (auto, timed per CPU): greedy answers are compared exactly
 # here, and on an AVX2-only CPU bf16 prefills ~6x slower (a 280-token prompt: 10 s vs 1.5 s).
@@ -41,61 +40,26 @@ DTYPE = "float32"
 BLOCK = 16
 MAX_MODEL_LEN = 512
 GREEDY = {"temperature": 0.0, "logprobs": 2}
-NEAR_TIE = 1e-3  # as tests/engine/greedy.py
-
-
-@pytest.fixture(scope="module")
-def prefix() -> Iterator[str]:
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(prefix)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, prefix: str) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(
-        log,
-        *("--redis-url", REDIS_URL, "--redis-prefix", prefix),
+    with running_server(
+        tmp_path_factory.mktemp("server"),
         *("--num-device-blocks", "64", "--num-cpu-blocks", "512"),
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-message-chars", "4000"),
         *("--max-connections", "8", "--max-inflight-turns", "3", "--max-tokens", "1024"),
         *("--max-frame-bytes", "65536", "--ws-max-size", "262144"),
         *("--dtype", DTYPE),
-    )
-    yield server
-    code = server.stop()
-    assert code == 0, f"unclean exit {code}:\n{server.log()}"
-
-
-@pytest.fixture(autouse=True)
-async def balanced(server: ServerProcess) -> AsyncIterator[None]:
-    yield
-    await wait_balanced(server)
-
-
-@pytest.fixture
-def redis_client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
+        prefix=prefix,
+    ) as server:
+        yield server
 
 
 def full_blocks(tokens: int) -> int:
     """Tokens in the full blocks of a stored conversation of `tokens` tokens (the server
     computes the tail's K/V after each answer, so every full block can be cached)."""
     return tokens // BLOCK * BLOCK
-
-
-def assert_same_greedy(reference: Answer, other: Answer) -> None:
-    """Token-for-token equality; a divergence only where the reference's top-2 margin is a
-    near-tie, after which tokens are not compared (tests/engine/greedy.py)."""
-    margins = reference.margins
-    for i, (a, b) in enumerate(zip(reference.token_ids, other.token_ids, strict=False)):
-        if a != b:
-            assert margins[i] < NEAR_TIE, f"token {i} differs ({a} vs {b}), margin {margins[i]}"
-            return
-    assert len(reference.token_ids) == len(other.token_ids)
 
 
 def words(seed: int, n: int) -> str:
@@ -206,7 +170,7 @@ async def test_blocks_swapped_to_the_cpu_come_back_on_return_with_the_same_answe
     conversation = one.usage.prompt_tokens + one.usage.completion_tokens
     assert two.usage.swapped_in_tokens >= full_blocks(conversation)
     assert two.usage.cached_tokens == 0
-    assert_same_greedy(ref_two, two)
+    assert_same_answer(ref_two, two)
     after = await server.astats()
     assert after["swaps"]["blocks_swapped_in"] > pressured["swaps"]["blocks_swapped_in"]
 

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from clients.chat_client import Answer, ChatClient
-from tests.api.server import (
-    REDIS_URL,
-    ServerProcess,
-    delete_prefix,
-    start_server,
-    unique_prefix,
-    wait_balanced,
-)
+from tests.api.server import ServerProcess, running_server
+from tests.engine.greedy import assert_same_answer
 
-pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.real_model,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("balanced"),
+]
 
-NEAR_TIE = 1e-3  # as tests/engine/greedy.py
 SUBJECTS = [
     "the moon", "rivers", "bread", "owls", "glass", "volcanoes", "chess", "honey",
     "bicycles", "clouds", "salt", "whales", "paper", "trains", "coffee", "maps",
@@ -37,37 +35,14 @@ MAX_LAG_P99_MS = 500.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    prefix = unique_prefix()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(
-        log, "--redis-url", REDIS_URL, "--redis-prefix", prefix, "--dtype", "float32"
-    )
-    yield server
-    try:
-        assert server.stop() == 0, server.log()
-    finally:
-        delete_prefix(prefix)
-
-
-@pytest.fixture(autouse=True)
-async def balanced(server: ServerProcess) -> AsyncIterator[None]:
-    yield
-    await wait_balanced(server)
+    with running_server(tmp_path_factory.mktemp("server"), "--dtype", "float32") as server:
+        yield server
 
 
 async def ask_alone(server: ServerProcess, question: str) -> Answer:
     async with await ChatClient.connect(server.ws) as chat:
         await chat.open()
         return await chat.ask(question, max_tokens=8, temperature=0.0, logprobs=2)
-
-
-def assert_same_greedy(reference: Answer, other: Answer) -> None:
-    margins = reference.margins
-    for i, (a, b) in enumerate(zip(reference.token_ids, other.token_ids, strict=False)):
-        if a != b:
-            assert margins[i] < NEAR_TIE, f"token {i} differs ({a} vs {b}), margin {margins[i]}"
-            return
-    assert len(reference.token_ids) == len(other.token_ids)
 
 
 async def test_32_concurrent_sessions_match_one_at_a_time(server: ServerProcess) -> None:
@@ -81,4 +56,4 @@ async def test_32_concurrent_sessions_match_one_at_a_time(server: ServerProcess)
     assert lag["samples"] > 0 and lag["p99_ms"] < MAX_LAG_P99_MS, lag
     alone = [await ask_alone(server, q) for q in questions]
     for reference, got in zip(alone, together, strict=True):
-        assert_same_greedy(reference, got)
+        assert_same_answer(reference, got)

@@ -9,17 +9,17 @@ import asyncio
 import json
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import pytest
 
 from clients.chat_client import ChatClient
-from tests.api.server import ServerProcess, running_server, wait_balanced
+from tests.api.server import ServerProcess, running_server
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(240), pytest.mark.usefixtures("balanced")]
 
 NAMES = ("smol-chat", "gpt-4o-mini")  # --served-model-name: metrics carry the first
 HI = [{"role": "user", "content": "Hello there"}]
@@ -54,12 +54,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--default-max-tokens", "8", "--served-model-name", ",".join(NAMES)),
     ) as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-async def balanced(server: ServerProcess) -> AsyncIterator[None]:
-    yield
-    await wait_balanced(server)
 
 
 def complete(server: ServerProcess, **body: Any) -> dict[str, Any]:

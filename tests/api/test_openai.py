@@ -4,21 +4,23 @@ served model names, CORS and log-probabilities."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from service.server.config import ServerConfig
-from service.server.options import add_arguments, config_from_args
 from tests.api.server import ServerProcess, running_server, wait_balanced
 from tests.tiny_model import gguf_tokenizer
 
-pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.real_model,
+    pytest.mark.timeout(180),
+    pytest.mark.usefixtures("balanced"),
+]
 
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 65536
@@ -39,12 +41,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--served-model-name", ",".join(NAMES), "--cors-allowed-origins", APP_ORIGIN),
     ) as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-async def balanced(server: ServerProcess) -> AsyncIterator[None]:
-    yield
-    await wait_balanced(server)
 
 
 def post(
@@ -379,17 +375,3 @@ def test_answers_and_refusals_are_counted_in_the_metrics(server: ServerProcess) 
     assert turns == 2  # two samples, each cut at max_tokens
     assert errors == 1
     assert first_tokens == 1  # one request, one time to first token
-
-
-def test_the_openai_options_parse_and_cors_origins_are_checked_at_start_up() -> None:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(
-        ["--served-model-name", "a, b,", "--cors-allowed-origins", "HTTPS://App.example:443/"]
-    )
-    config = config_from_args(args)
-    assert config.served_model_name == ("a", "b")
-    assert config.cors_allowed_origins == ("https://app.example",)
-    assert config_from_args(parser.parse_args([])).cors_allowed_origins == ()  # off
-    with pytest.raises(ValueError, match="not an origin"):
-        ServerConfig(cors_allowed_origins=("app.example/path",))

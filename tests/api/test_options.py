@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from service.engine.config import PreemptionMode
+from service.server.config import ServerConfig
 from service.server.options import (
     GROUPS,
     NESTED,
@@ -197,3 +198,14 @@ def test_the_kv_tier_is_off_unless_a_directory_or_redis_is_given(
     assert tier.redis_url == "redis://kv:6379/0"
     with pytest.raises(ValueError, match="codec"):
         config_from_args(parse("--kv-tier-directory", "/var/kv", "--kv-tier-codec", "gzip"))
+
+
+def test_the_openai_options_parse_and_cors_origins_are_checked_at_start_up() -> None:
+    config = config_from_args(
+        parse("--served-model-name", "a, b,", "--cors-allowed-origins", "HTTPS://App.example:443/")
+    )
+    assert config.served_model_name == ("a", "b")
+    assert config.cors_allowed_origins == ("https://app.example",)
+    assert config_from_args(parse()).cors_allowed_origins == ()  # off
+    with pytest.raises(ValueError, match="not an origin"):
+        ServerConfig(cors_allowed_origins=("app.example/path",))

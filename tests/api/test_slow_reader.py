@@ -28,14 +28,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from service.sessions.models import Message, PageMap
-from tests.api.server import (
-    REDIS_URL,
-    REPO,
-    delete_prefix,
-    is_idle,
-    stored_session,
-    unique_prefix,
-)
+from tests.api.server import REDIS_URL, REPO, is_idle, stored_session
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
@@ -44,13 +37,6 @@ RUNS = 20
 SEND_TIMEOUT_S = 1.0
 # Big frames (20 log-probabilities a token) fill the socket buffers in a few hundred tokens.
 PARAMS = {"max_tokens": 3000, "temperature": 0.0, "ignore_eos": True, "logprobs": 20}
-
-
-@pytest.fixture(scope="module")
-def prefix() -> Iterator[str]:
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(prefix)
 
 
 @dataclass

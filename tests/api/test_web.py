@@ -22,7 +22,12 @@ from service.api.observability.kv_view import session_tag
 from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
 
-pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.real_model,
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures("balanced"),
+]
 
 DEVICE_BLOCKS, CPU_BLOCKS = 64, 32
 API_KEY = "page-key-0123456789abcdef"
@@ -38,12 +43,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--max-model-len", "512"),
     ) as server:
         yield server
-
-
-@pytest.fixture(autouse=True)
-async def balanced(server: ServerProcess) -> AsyncIterator[None]:
-    yield
-    await wait_balanced(server)
 
 
 def page_map(server: ServerProcess, query: str = "") -> dict[str, Any]:

@@ -5,7 +5,6 @@ status. What the GPU steps measure only a GPU can say."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,20 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.scripts import ROOT, run_script
+
 pytestmark = pytest.mark.server
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = [ROOT / "benchmarks" / "gpu_check.sh", ROOT / "benchmarks" / "gpu_bundle.sh"]
 STEPS = ("tests", "engine", "kernels", "throughput", "serve", "sweep")
 
 
 def gpu_check(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    environ |= {"OUT": str(out), "PYTHON": sys.executable, **env}
-    return subprocess.run(
-        ["bash", str(SCRIPTS[0]), *args],
-        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return run_script("bash", str(SCRIPTS[0]), *args, OUT=str(out), PYTHON=sys.executable, **env)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

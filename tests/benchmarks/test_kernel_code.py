@@ -10,8 +10,6 @@ tiles, int32 offsets) make the loop shorter.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,24 +17,21 @@ from typing import Any
 import pytest
 import triton
 
+from tests.benchmarks.scripts import run_script
+
 pytestmark = pytest.mark.server
 
 NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 if not (NVIDIA_TOOLS / "ptxas").exists() or not (NVIDIA_TOOLS / "cuobjdump").exists():
     pytest.skip("this Triton wheel ships no ptxas/cuobjdump", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET = "decode 64 x 4096, 32/8/128 bf16"
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("kernel_code") / "code.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_code", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = run_script(sys.executable, "-m", "benchmarks.kernel_code", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     return {record["case"].strip(): record for record in json.loads(out.read_text())}
 
@@ -74,9 +69,6 @@ def test_int32_offsets_shorten_the_loop(compiled: dict[str, dict[str, Any]]) -> 
 
 
 def test_the_interpreter_refuses_to_compile() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_code"],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-    )  # fmt: skip
+    result = run_script(sys.executable, "-m", "benchmarks.kernel_code", TRITON_INTERPRET="1")
     assert result.returncode == 2
     assert "unset TRITON_INTERPRET" in result.stderr

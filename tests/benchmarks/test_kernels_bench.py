@@ -3,8 +3,6 @@ checks under the interpreter, and its sweep covers the launch the backend picks 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,8 +10,7 @@ import pytest
 
 from benchmarks.kernels import SWEEP_POINTS, SweepPoint, sweep_grid
 from kernels.attention_launch import choose_launch
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import run_script
 
 
 @pytest.mark.server
@@ -21,11 +18,7 @@ def test_without_cuda_the_script_checks_correctness_under_the_interpreter(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "kernels.md"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernels", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    result = run_script(sys.executable, "-m", "benchmarks.kernels", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     report = out.read_text()
     assert "No CUDA device" in report

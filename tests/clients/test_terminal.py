@@ -10,7 +10,6 @@ import os
 import pty
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.peer_servers import free_port
 from clients.terminal import Failure, chat_url, parser
 from tests.api.server import REPO, ServerProcess, is_idle, running_server, wait_balanced
 from tests.tiny_model import make_tiny_llama
@@ -126,38 +126,22 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 # ---------------------------------------------------------------------- keys, in a pty
 
 
+@pytest.mark.parametrize(
+    ("key", "address"), [(CTRL_C, "http"), (CTRL_D, "ws")], ids=["ctrl-c", "ctrl-d"]
+)
 @pytest.mark.server
-async def test_ctrl_c_at_the_prompt_exits_cleanly(
-    server: ServerProcess, terminal: type[Terminal]
+async def test_ctrl_c_or_ctrl_d_at_the_prompt_exits_cleanly(
+    server: ServerProcess, terminal: type[Terminal], key: bytes, address: str
 ) -> None:
-    client = terminal("--url", server.http)
+    client = terminal("--url", getattr(server, address))
     client.read_until(b"> ")
-    client.send(CTRL_C)
+    client.send(key)
     assert client.wait() == 0
     assert "Traceback" not in client.text and "KeyboardInterrupt" not in client.text
     await wait_balanced(server)  # its connection is closed, nothing is held
-
-
-@pytest.mark.server
-async def test_ctrl_d_at_the_prompt_exits_cleanly(
-    server: ServerProcess, terminal: type[Terminal]
-) -> None:
-    client = terminal("--url", server.ws)
-    client.read_until(b"> ")
-    client.send(CTRL_D)
-    assert client.wait() == 0
-    assert "Traceback" not in client.text
-    await wait_balanced(server)
 
 
 @pytest.mark.server

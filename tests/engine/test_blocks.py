@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -950,33 +951,38 @@ def test_stats_count_usage_per_tier_and_prefix_queries() -> None:
     assert bm.num_free_device_blocks == 1
 
 
-def test_check_invariants_catches_a_ref_count_bumped_by_hand() -> None:
+def bump_a_ref_count_by_hand(bm: BlockManager, seq: Sequence) -> None:
+    seq.block_table[0].ref_count += 1
+
+
+def put_a_slot_in_two_places(bm: BlockManager, seq: Sequence) -> None:
+    seq.block_table[1].slot = seq.block_table[0].slot
+
+
+def hold_a_released_block_in_the_table(bm: BlockManager, seq: Sequence) -> None:
+    stale = list(seq.block_table)
+    bm.free(seq)
+    seq.block_table.extend(stale)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "match"),
+    [
+        (bump_a_ref_count_by_hand, "ref count"),
+        (put_a_slot_in_two_places, "misplaced"),
+        (hold_a_released_block_in_the_table, "released"),
+    ],
+    ids=["ref-count", "slot-in-two-places", "released-block"],
+)
+def test_check_invariants_catches_a_corrupted_block_table(
+    corrupt: Callable[[BlockManager, Sequence], None], match: str
+) -> None:
     bm, kv = manager(4, 0, 2)
     seq = make_seq([1, 2, 3])
     assert admit(bm, kv, seq, chunk=3)
     bm.check_invariants([seq])
-    seq.block_table[0].ref_count += 1
-    with pytest.raises(KVInvariantError, match="ref count"):
-        bm.check_invariants([seq])
-
-
-def test_check_invariants_catches_a_slot_in_two_places() -> None:
-    bm, kv = manager(4, 0, 2)
-    seq = make_seq([1, 2, 3])
-    assert admit(bm, kv, seq, chunk=3)
-    seq.block_table[1].slot = seq.block_table[0].slot
-    with pytest.raises(KVInvariantError, match="misplaced"):
-        bm.check_invariants([seq])
-
-
-def test_check_invariants_catches_a_table_holding_a_released_block() -> None:
-    bm, kv = manager(4, 0, 2)
-    seq = make_seq([1, 2, 3])
-    assert admit(bm, kv, seq, chunk=3)
-    stale = list(seq.block_table)
-    bm.free(seq)
-    seq.block_table.extend(stale)
-    with pytest.raises(KVInvariantError, match="released"):
+    corrupt(bm, seq)
+    with pytest.raises(KVInvariantError, match=match):
         bm.check_invariants([seq])
 
 

@@ -16,6 +16,27 @@ from service.engine.quant import QUANTIZE_TO
 from tests.engine.greedy import run
 
 
+def engine_that_decoded(model: Path, **options: str) -> LLMEngine:
+    """An engine on `model` as `options` load it (float32 activations, on the CPU, small
+    pools) once it has decoded 6 tokens for two prompts and released every block."""
+    config = EngineConfig(
+        model=model,
+        dtype="float32",
+        device="cpu",
+        num_device_blocks=64,
+        num_cpu_blocks=16,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        **options,
+    )
+    engine = LLMEngine(config)
+    prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
+    out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
+    engine.check_balanced()
+    return engine
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_weights_follow_an_explicit_dtype(dtype: str) -> None:
     config = EngineConfig(dtype=dtype, device="cpu")
@@ -60,24 +81,11 @@ def test_an_unknown_dtype_name_is_refused_by_its_option(option: str) -> None:
 def test_the_kv_cache_is_float16_on_the_cpu_unless_told_otherwise(
     tiny_model_dir: Path, kv_cache_dtype: str, pools: torch.dtype
 ) -> None:
-    config = EngineConfig(
-        model=tiny_model_dir,
-        dtype="float32",
-        weight_dtype="bfloat16",
-        kv_cache_dtype=kv_cache_dtype,
-        device="cpu",
-        num_device_blocks=64,
-        num_cpu_blocks=16,
-        max_model_len=256,
-        max_num_batched_tokens=64,
+    engine = engine_that_decoded(
+        tiny_model_dir, weight_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype
     )
-    engine = LLMEngine(config)
     assert (engine.activation_dtype, engine.weight_dtype) == (torch.float32, torch.bfloat16)
     assert engine.runner.device_pool.dtype == engine.runner.cpu_pool.dtype == pools
-    prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
-    out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
-    engine.check_balanced()
 
 
 @pytest.mark.parametrize(
@@ -119,20 +127,6 @@ def test_weights_is_refused_unknown_beside_weight_dtype_or_packed_off_the_cpu() 
 
 
 def test_an_engine_with_int4_weights_decodes_and_releases_its_blocks(tiny_model_dir: Path) -> None:
-    config = EngineConfig(
-        model=tiny_model_dir,
-        dtype="float32",
-        weights="int4",
-        device="cpu",
-        num_device_blocks=64,
-        num_cpu_blocks=16,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-    )
-    engine = LLMEngine(config)
+    engine = engine_that_decoded(tiny_model_dir, weights="int4")
     assert engine.runner.model.weights_name == "Q4_1"  # what a dense weight quantizes to
     assert engine.runner.device_pool.dtype == torch.float16
-    prompts = {"a": list(range(100, 130)), "b": list(range(200, 211))}
-    out = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    assert {rid: len(g.token_ids) for rid, g in out.items()} == {"a": 6, "b": 6}
-    engine.check_balanced()

