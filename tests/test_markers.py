@@ -59,7 +59,7 @@ IN_PROCESS = {
         "no server answers: loadtest.run's main returns before it starts Locust",
     "tests.benchmarks.test_peers.test_without_a_llama_server_binary_it_says_so_and_runs_nothing":
         "no llama-server binary: benchmarks.peers' main returns before it starts a server",
-    "tests.api.test_connection.app":
+    "tests.api.ws.test_connection.app":
         "a Hub on REDIS_URL: only one without a Redis URL starts the embedded Redis",
     "tests.test_cli.test_chat_prompts_extend_the_previous_turns_ids_as_the_model_saw_them":
         "cli.main for `chat`: only `serve` starts a Redis",

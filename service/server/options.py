@@ -108,7 +108,7 @@ def options(group: str) -> list[Option]:
     for f in dataclasses.fields(cls):
         if f.name in NESTED.get(group, ()):
             continue
-        # A field without help text still gets its option; tests/api/test_options.py fails.
+        # A field without help text still gets its option; tests/server/test_options.py fails.
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         parse, choices = _parser_for(hints[f.name])
         shown = f.metadata.get(SHOWN_DEFAULT) or _shown(default)

@@ -20,10 +20,10 @@ from service.engine.loader import load_model
 from service.engine.params import SamplingParams
 from service.engine.sequence import SequenceStatus
 from service.engine.values import RequestOutput
-from tests.api.test_redis_outage import RedisProcess, redis_server
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import Generated, assert_same_greedy, greedy
 from tests.engine.test_cuda_graphs import with_eager_graphs
+from tests.redis_process import RedisProcess, redis_server
 from tests.tiny_model import make_tiny_llama
 
 __all__ = ["redis_server"]  # the fixture: a redis-server of the test's own, to stop

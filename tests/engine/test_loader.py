@@ -258,10 +258,17 @@ def test_copied_gguf_keeps_its_model_id(smollm2: LoadedModel, tmp_path: Path) ->
     assert smollm2.model_id == f"{smollm2.name}@{_content_hash([copy])}"
 
 
+@pytest.fixture(scope="module")
+def stored_tensors() -> dict[str, np.ndarray[Any, Any]]:
+    """The bundled GGUF's tensors as the file stores them, read by a reader of its own."""
+    reader = open_gguf(default_model_path())
+    return {t.name: np.array(t.data) for t in reader.tensors}
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("max_packed_tokens", [4096, 0], ids=["gemv", "dense"])
 def test_the_gguf_is_served_as_stored_with_the_dequantized_models_logits(
-    smollm2: LoadedModel, max_packed_tokens: int
+    smollm2: LoadedModel, stored_tensors: dict[str, np.ndarray[Any, Any]], max_packed_tokens: int
 ) -> None:
     """`serve_stored` keeps every matmul weight's blocks byte for byte as the file stores
     them (Q and K rows un-permuted whole; the LM head the tied embedding's Q8_0) and computes
@@ -276,8 +283,7 @@ def test_the_gguf_is_served_as_stored_with_the_dequantized_models_logits(
     assert isinstance(served.model.lm_head, QuantLinear)
     assert served.model.lm_head.kinds == (WeightType.Q8_0,)
     assert served.model_id == smollm2.model_id  # same file, same KV block hashes
-    reader = open_gguf(default_model_path())
-    stored = {t.name: np.array(t.data) for t in reader.tensors}
+    stored = stored_tensors
     first = served.model.layers[0]
     gate, up = stored["blk.0.ffn_gate.weight"], stored["blk.0.ffn_up.weight"]
     assert np.array_equal(

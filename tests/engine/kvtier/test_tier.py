@@ -15,8 +15,8 @@ from service.engine.kvtier.backend import Backend
 from service.engine.kvtier.dir_backend import DirBackend
 from service.engine.kvtier.redis_backend import RedisBackend
 from service.engine.kvtier.tier import WRITER_NICE, KVTier, LoadedRun
-from tests.api.test_redis_outage import RedisProcess
-from tests.kvtier.conftest import blocks, layout
+from tests.engine.kvtier.conftest import blocks, layout
+from tests.redis_process import RedisProcess
 
 
 def load(tier: KVTier, hashes: list[int], timeout: float = 30.0) -> LoadedRun | None:

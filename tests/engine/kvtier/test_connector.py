@@ -14,7 +14,7 @@ from service.engine.kvtier.connector import BlocksToSave, KVTierConnector
 from service.engine.kvtier.dir_backend import DirBackend
 from service.engine.kvtier.tier import KVTier, LoadedRun
 from service.engine.values import Tier
-from tests.kvtier.conftest import SHAPE, blocks, layout
+from tests.engine.kvtier.conftest import SHAPE, blocks, layout
 
 L, TWO, BS, HEADS, DIM = SHAPE
 

@@ -10,7 +10,7 @@ import redis
 
 from service.engine.kvtier.backend import BackendUnavailable
 from service.engine.kvtier.redis_backend import RedisBackend
-from tests.api.test_redis_outage import RedisProcess
+from tests.redis_process import RedisProcess
 
 TAG = "00112233aabbccdd"
 

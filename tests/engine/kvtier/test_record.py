@@ -7,7 +7,7 @@ import torch
 
 from service.engine.kvtier import record
 from service.engine.kvtier.record import Rejected
-from tests.kvtier.conftest import blocks, layout
+from tests.engine.kvtier.conftest import blocks, layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

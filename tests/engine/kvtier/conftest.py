@@ -10,7 +10,7 @@ import torch
 
 from service.engine.kvtier.record import BlockLayout
 from tests.api.server import REDIS_URL, delete_prefix, unique_prefix
-from tests.api.test_redis_outage import redis_server
+from tests.redis_process import redis_server
 
 SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
 

@@ -32,8 +32,8 @@ from service.api.access.gate import DEFAULT_TENANT, ApiKeys, Gate, KeysFileError
 from service.api.refusal import Refusal, RefusalReason
 from service.server.config import ServerConfig
 from service.server.options import add_arguments, config_from_args
+from tests.api.access.test_limiter import Clock
 from tests.api.server import ServerProcess, running_server
-from tests.api.test_limiter import Clock
 
 ALICE = "alice-key-0123456789"  # tenant-a, admin
 BOB = "bob-key-0123456789abc"  # tenant-b
@@ -470,4 +470,4 @@ async def test_the_own_an_allowed_or_no_origin_may_open_a_socket(
         await chat.open()
 
 
-# The chat page with keys (?key=, kept, resumed) is pinned in tests/api/test_web.py.
+# The chat page with keys (?key=, kept, resumed) is pinned in tests/server/test_web.py.
