@@ -17,7 +17,6 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import (
-    context_exceeded,
     decode_error,
     invalid,
     model_not_found,
@@ -145,9 +144,7 @@ def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
         )
 
 
-def render_prompt(
-    req: ChatCompletionRequest, chat: ChatFormat, limits: Limits, max_model_len: int
-) -> list[int]:
+def render_prompt(req: ChatCompletionRequest, chat: ChatFormat, limits: Limits) -> list[int]:
     """The conversation through the model's chat template, contents as plain text.
 
     A conversation that ends with an assistant message is continued: no new turn is opened,
@@ -186,8 +183,6 @@ def render_prompt(
     else:
         add_generation_prompt = req.add_generation_prompt is not False
         prompt = chat.conversation(rendered, add_generation_prompt=add_generation_prompt)
-    if len(prompt) >= max_model_len:
-        raise context_exceeded(len(prompt), max_model_len)
     return prompt
 
 

@@ -11,7 +11,6 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import (
-    context_exceeded,
     decode_error,
     invalid,
     model_not_found,
@@ -58,7 +57,7 @@ def decode_completion_request(body: bytes, served: tuple[str, ...]) -> Completio
 
 
 def completion_prompt(
-    req: CompletionRequest, tokenizer: TextTokenizer, limits: Limits, max_model_len: int
+    req: CompletionRequest, tokenizer: TextTokenizer, limits: Limits
 ) -> list[int]:
     """The prompt's token ids: a string tokenized as plain text, or the ids as given."""
     prompt: str | int | list[str | int | list[int]] | list[int] = req.prompt
@@ -81,8 +80,6 @@ def completion_prompt(
             raise invalid(f"prompt token ids must be in 0..{tokenizer.vocab_size - 1}", "prompt")
     if not ids:
         raise invalid("prompt must not be empty", "prompt")
-    if len(ids) >= max_model_len:
-        raise context_exceeded(len(ids), max_model_len)
     return ids
 
 

@@ -87,8 +87,10 @@ def engine_params(
 ) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
-    An explicit max_tokens that the context cannot hold is refused (as vLLM does); the
-    default is cut to what the context has left."""
+    A prompt that fills the context, or an explicit max_tokens that the context cannot hold,
+    is refused (as vLLM does); the default is cut to what the context has left."""
+    if prompt_tokens >= max_model_len:  # no room for one answer token
+        raise context_exceeded(prompt_tokens, max_model_len)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")

@@ -118,13 +118,13 @@ class OpenAIRoutes:
     def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         parts = self.parts
         req = decode_request(body, parts.names)
-        prompt = render_prompt(req, parts.chat_format, parts.limits, parts.max_model_len)
+        prompt = render_prompt(req, parts.chat_format, parts.limits)
         return req, prompt, chat_params(req, parts.limits, len(prompt), *parts.sizes)
 
     def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
         parts = self.parts
         req = decode_completion_request(body, parts.names)
-        prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits, parts.max_model_len)
+        prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits)
         return req, prompt, completion_params(req, parts.limits, len(prompt), *parts.sizes)
 
     async def _answer(

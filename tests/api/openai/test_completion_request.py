@@ -35,7 +35,7 @@ def test_a_string_prompt_is_plain_text_and_ids_or_a_list_of_one_work_too() -> No
     ids = tokenizer.encode("Once upon <|im_start|>")
     for prompt in ("Once upon <|im_start|>", ["Once upon <|im_start|>"], ids, [ids]):
         req = decode(prompt=prompt)
-        assert completion_prompt(req, tokenizer, Limits(), 2048) == ids
+        assert completion_prompt(req, tokenizer, Limits()) == ids
 
 
 def test_nulls_mean_defaults_and_the_default_answer_is_short() -> None:
@@ -59,7 +59,7 @@ def test_nulls_mean_defaults_and_the_default_answer_is_short() -> None:
 )
 def test_prompts_that_cannot_be_served_are_refused(body: dict[str, Any], param: str) -> None:
     with pytest.raises(OpenAIError) as caught:
-        completion_prompt(decode(**body), gguf_tokenizer(), Limits(), 2048)
+        completion_prompt(decode(**body), gguf_tokenizer(), Limits())
     assert caught.value.param == param
 
 
