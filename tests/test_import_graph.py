@@ -9,6 +9,7 @@ count too), so a seam broken in any module fails here, not when someone ships a 
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -114,10 +115,17 @@ def test_load_tests_do_not_import_the_server(path: Path) -> None:
 ENGINE_SEAM = {"service.engine.values", "service.engine.serving", "service.engine.params"}
 
 
+@functools.cache
+def service_graph() -> dict[str, set[str]]:
+    """The service's import graph, read from the source once per run (the tree does not
+    change under the suite), not once per module checked."""
+    return import_graph("service")
+
+
 def engine_imports(path: Path) -> set[str]:
     """The modules of service/engine (its third tier, service/engine/kvtier, included) `path`
     imports."""
-    graph = import_graph("service")
+    graph = service_graph()
     return {m for m in graph[module_name(path)] if m.startswith("service.engine.")}
 
 

@@ -11,7 +11,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
 from tests.cpu_isa import cpu_isa
-from tests.engine.greedy import KV16_NEAR_TIE, assert_same_greedy, greedy, run
+from tests.engine.greedy import KV16_NEAR_TIE, Generated, assert_same_greedy, greedy, run
 
 __all__ = ["cpu_isa"]
 pytestmark = pytest.mark.real_model
@@ -66,8 +66,19 @@ QUESTIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def fp32_answers(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, Generated]]:
+    """The chat prompts of QUESTIONS and the reference's greedy answers to them, computed
+    once (the reference is deterministic): every version is held to the same answers."""
+    prompts = {
+        rid: engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        for rid, q in QUESTIONS.items()
+    }
+    return prompts, run(engine, prompts, greedy(16))
+
+
 def test_the_default_gives_the_dequantized_fp32_models_greedy_answers_on_every_version(
-    engine: LLMEngine, cpu_isa: str
+    fp32_answers: tuple[dict[str, list[int]], dict[str, Generated]], cpu_isa: str
 ) -> None:
     """The defaults (the GGUF's Q4_1 blocks served as stored through the CPU kernels, fp32
     arithmetic, a float16 KV cache) with each kernel version forced: token for token the
@@ -81,11 +92,7 @@ def test_the_default_gives_the_dequantized_fp32_models_greedy_answers_on_every_v
     assert default.kv_cache_dtype == torch.float16
     assert default.cpu_kernels is not None and default.cpu_kernels.isa == cpu_isa
     assert default.runner.native_decode_threads == config.native_threads()  # the stack runs
-    prompts = {
-        rid: engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        for rid, q in QUESTIONS.items()
-    }
-    reference = run(engine, prompts, greedy(16))
+    prompts, reference = fp32_answers
     answers = run(default, prompts, greedy(16))
     assert_same_greedy(reference, answers, near_tie=KV16_NEAR_TIE)
     assert "Paris" in answers["france"].text
