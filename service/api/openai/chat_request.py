@@ -17,12 +17,10 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import (
-    decode_error,
     invalid,
-    model_not_found,
     unsupported,
 )
-from service.api.openai.params import SamplingFields, engine_params, refuse_penalties
+from service.api.openai.params import SamplingFields, decode_fields, engine_params
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat, TemplateError
 
@@ -99,15 +97,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
 def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionRequest:
     """The request, or OpenAIError for a body that is not one this server can serve.
     `served`: the model names this server answers to."""
-    try:
-        req = msgspec.json.decode(body, type=ChatCompletionRequest)
-    except msgspec.DecodeError as exc:
-        raise decode_error(exc, "chat completion request") from None
-    if req.model is not None and req.model not in served:
-        raise model_not_found(req.model, served)
+    req = decode_fields(body, ChatCompletionRequest, "chat completion request", served)
     _refuse_what_cannot_be_honoured(req)
-    if req.cache_salt is not None and not req.cache_salt:
-        raise invalid("cache_salt must be a non-empty string", "cache_salt")
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise invalid(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", "top_logprobs")
@@ -117,7 +108,6 @@ def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionReques
 
 
 def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
-    refuse_penalties(req)
     if req.chat_template_kwargs:
         raise unsupported("chat_template_kwargs")
     if req.continue_final_message and req.add_generation_prompt:

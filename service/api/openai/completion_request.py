@@ -7,16 +7,12 @@ plain text (no chat template, no special tokens). Nulls mean the default, as for
 
 from __future__ import annotations
 
-import msgspec
-
 from service.api.limits import Limits
 from service.api.openai.errors import (
-    decode_error,
     invalid,
-    model_not_found,
     unsupported,
 )
-from service.api.openai.params import SamplingFields, engine_params, refuse_penalties
+from service.api.openai.params import SamplingFields, decode_fields, engine_params
 from service.engine.params import SamplingParams
 from service.engine.values import TextTokenizer
 
@@ -36,13 +32,7 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
 
 
 def decode_completion_request(body: bytes, served: tuple[str, ...]) -> CompletionRequest:
-    try:
-        req = msgspec.json.decode(body, type=CompletionRequest)
-    except msgspec.DecodeError as exc:
-        raise decode_error(exc, "completion request") from None
-    if req.model is not None and req.model not in served:
-        raise model_not_found(req.model, served)
-    refuse_penalties(req)
+    req = decode_fields(body, CompletionRequest, "completion request", served)
     if req.echo:
         raise invalid("echo is not supported (only false)", "echo", "unsupported_value")
     if req.suffix is not None:
@@ -51,8 +41,6 @@ def decode_completion_request(body: bytes, served: tuple[str, ...]) -> Completio
         raise invalid("best_of is not supported (only equal to n)", "best_of", "unsupported_value")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in 0..{MAX_LOGPROBS}", "logprobs")
-    if req.cache_salt is not None and not req.cache_salt:
-        raise invalid("cache_salt must be a non-empty string", "cache_salt")
     return req
 
 

@@ -3,10 +3,12 @@ SamplingParams; and the fields accepted only at the value this server always beh
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from service.api.limits import Limits
-from service.api.openai.errors import context_exceeded, invalid
+from service.api.openai.errors import context_exceeded, decode_error, invalid, model_not_found
 from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
 from service.engine.params import SamplingParams
 
@@ -72,6 +74,24 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+
+
+Request = TypeVar("Request", bound=SamplingFields)
+
+
+def decode_fields(body: bytes, kind: type[Request], what: str, served: tuple[str, ...]) -> Request:
+    """A request of `kind` from its JSON body, its shared fields checked (the model among
+    `served`, the neutral-only ones, a non-empty cache_salt); OpenAIError if not."""
+    try:
+        req = msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as exc:
+        raise decode_error(exc, what) from None
+    if req.model is not None and req.model not in served:
+        raise model_not_found(req.model, served)
+    refuse_penalties(req)
+    if req.cache_salt is not None and not req.cache_salt:
+        raise invalid("cache_salt must be a non-empty string", "cache_salt")
+    return req
 
 
 def engine_params(
