@@ -1,13 +1,17 @@
-"""Suite-wide setup: interpreter mode for Triton, one torch thread, shared model fixtures."""
+"""Suite-wide setup: interpreter mode for Triton, one torch thread, shared model fixtures; and
+the fixtures of the modules that run a real server (tests/api, tests/server): `balanced`, the
+after-test check a module opts into (`pytest.mark.usefixtures("balanced")`, for its own
+`server`), and the Redis prefix and client for the tests that read what the server stored."""
 
 from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 # Must be set before any @triton.jit runs: this machine has no GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,6 +19,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch
 
 torch.set_num_threads(1)
+
+from tests.api.server import (  # noqa: E402 (after the environment is set)
+    REDIS_URL,
+    ServerProcess,
+    delete_prefix,
+    unique_prefix,
+    wait_balanced,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,3 +86,26 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             if skipped[isa]:
                 line += f", {skipped[isa]} skipped (this CPU cannot execute them)"
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+async def balanced(server: ServerProcess) -> AsyncIterator[None]:
+    """After the test: the module's server holds no block, runs and queues nothing, and has
+    no connection open."""
+    yield
+    await wait_balanced(server)
+
+
+@pytest.fixture(scope="module")
+def prefix() -> Iterator[str]:
+    """A fresh key prefix for the module's server; its keys are deleted at the end."""
+    prefix = unique_prefix()
+    yield prefix
+    delete_prefix(prefix)
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
