@@ -270,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     tools that talk to pagechat over the wire and want the Redis it would run (the soak):
     prints its URL, runs until SIGTERM or SIGINT, then stops it (its files written)."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m service.sessions.redis_server")
     parser.add_argument("data_dir", type=Path)
@@ -291,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
             signal.pause()
     finally:
         server.stop()
-    sys.stdout.close()
     return 0
 
 

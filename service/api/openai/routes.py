@@ -104,7 +104,7 @@ class OpenAIRoutes:
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
         if name not in self.names:
-            return self._error(model_not_found(name, self.names))
+            return self._error(model_not_found(name, self.names), self.parts)
         return Response(_json.encode(self._model(name)), media_type="application/json")
 
     async def create(self, request: Request) -> Response:
@@ -115,14 +115,18 @@ class OpenAIRoutes:
         """POST /v1/completions."""
         return await self._answer(request, self._text)
 
-    def _chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        parts = self.parts
+    @staticmethod
+    def _chat(
+        body: bytes, parts: OpenAIParts
+    ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         req = decode_request(body, parts.names)
         prompt = render_prompt(req, parts.chat_format, parts.limits)
         return req, prompt, chat_params(req, parts.limits, len(prompt), *parts.sizes)
 
-    def _text(self, body: bytes) -> tuple[CompletionRequest, list[int], SamplingParams]:
-        parts = self.parts
+    @staticmethod
+    def _text(
+        body: bytes, parts: OpenAIParts
+    ) -> tuple[CompletionRequest, list[int], SamplingParams]:
         req = decode_completion_request(body, parts.names)
         prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits)
         return req, prompt, completion_params(req, parts.limits, len(prompt), *parts.sizes)
@@ -130,14 +134,14 @@ class OpenAIRoutes:
     async def _answer(
         self,
         request: Request,
-        parse: Callable[[bytes], tuple[AnyRequest, list[int], SamplingParams]],
+        parse: Callable[[bytes, OpenAIParts], tuple[AnyRequest, list[int], SamplingParams]],
     ) -> Response:
         received = time.monotonic()
         parts = self.parts
         try:
-            req, prompt, params = parse(await _body(request, parts.limits.max_body_bytes))
+            req, prompt, params = parse(await _body(request, parts.limits.max_body_bytes), parts)
         except OpenAIError as exc:
-            return self._error(exc)
+            return self._error(exc, parts)
         refusal = parts.admission.begin_answer()
         if refusal is not None:
             parts.metrics.errors.labels(refusal.reason.value).inc()
@@ -165,8 +169,9 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nobody is there to read it
         return answer.result()
 
-    def _error(self, exc: OpenAIError) -> Response:
-        self.parts.metrics.errors.labels(exc.code).inc()
+    @staticmethod
+    def _error(exc: OpenAIError, parts: OpenAIParts) -> Response:
+        parts.metrics.errors.labels(exc.code).inc()
         return exc.response()
 
 
