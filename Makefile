@@ -37,9 +37,10 @@ unit: setup-test
 test: lint typecheck unit
 
 # The in-process suite: pytest without the tests marked `server` (those that start a process:
-# pagechat serve, redis-server, nginx, Locust, a browser, any subprocess). No lint, no types.
-test-fast: setup
-	$(PY) -m pytest -m "not server"
+# pagechat serve, redis-server, nginx, Locust, a browser, any subprocess), on two workers
+# (pytest-xdist; no test here shares state across processes). No lint, no types.
+test-fast: setup-test
+	$(PY) -m pytest -m "not server" -n 2 --dist worksteal
 
 bench-engine: setup
 	$(PY) -m benchmarks.engine_step

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.cpu import dispatch
+from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import WeightType
 from service.engine.config import EngineConfig
 from service.engine.loader import LoadedModel, load_model
@@ -202,11 +203,15 @@ def load_format(
     reference: LoadedModel | None,
     *,
     dense_twin: bool = False,
+    quantized: dict[str, dict[str, Weight]] | None = None,
 ) -> LoadedModel:
     """The model with `weights` matmul weights under fp32 activations (see the top); packed
     ones through the `isa` kernels, their GEMV for up to `window` rows (so every window
     here), or with a `-dense` suffix their dequantized fp32 path for every row. With
-    `dense_twin`, a quantized format's weights dequantized to dense fp32 instead."""
+    `dense_twin`, a quantized format's weights dequantized to dense fp32 instead. A quantized
+    format's weights are made once per `quantized` cache (one per call when none is given) and
+    shared by every version's model: quantizing is most of a load's time."""
+    quantized = {} if quantized is None else quantized
     limit = 0 if weights.endswith(DENSE_PATH) else window
     name = weights.removesuffix(DENSE_PATH)
     kernels = dispatch.select(isa)
@@ -216,14 +221,9 @@ def load_format(
         )
     if name in QUANTIZED:
         assert reference is not None, "quantized formats are made from the fp32 reference"
-        head = load_model(model, torch.float32, kernels=kernels, serve_stored=True).model
-        weights_in: dict[str, Weight] = {}
-        for key, w in reference.model.state_dict().items():
-            weights_in[key] = quantize(w, QUANTIZED[name]) if key.endswith(_MATMULS) else w
-        head_weight = head.lm_head.weight if head.lm_head is not None else None
-        assert isinstance(head_weight, PackedWeight)
-        weights_in["embed_tokens.weight"] = head_weight  # the file's Q8_0, as stored
-        weights_in.pop("lm_head.weight", None)
+        if name not in quantized:
+            quantized[name] = quantized_weights(model, name, reference, kernels)
+        weights_in = quantized[name]
         if dense_twin:
             weights_in = {key: dense(w) for key, w in weights_in.items()}
         built = LlamaModel.from_weights(
@@ -234,6 +234,22 @@ def load_format(
         return LoadedModel(built, reference.args, reference.tokenizer, reference.model_id, name)
     config = EngineConfig(model=model, dtype="float32", weights=name)
     return load_model(config.model, torch.float32, weight_dtype=config.torch_weight_dtype())
+
+
+def quantized_weights(
+    model: str | None, name: str, reference: LoadedModel, kernels: KernelSet | None
+) -> dict[str, Weight]:
+    """The reference's matmuls quantized to `name`'s blocks, its embedding (and tied head) the
+    file's own Q8_0 as stored, every other weight the reference's."""
+    head = load_model(model, torch.float32, kernels=kernels, serve_stored=True).model
+    weights: dict[str, Weight] = {}
+    for key, w in reference.model.state_dict().items():
+        weights[key] = quantize(w, QUANTIZED[name]) if key.endswith(_MATMULS) else w
+    head_weight = head.lm_head.weight if head.lm_head is not None else None
+    assert isinstance(head_weight, PackedWeight)
+    weights["embed_tokens.weight"] = head_weight  # the file's Q8_0, as stored
+    weights.pop("lm_head.weight", None)
+    return weights
 
 
 def text_tokens(loaded: LoadedModel, text_path: Path, max_tokens: int | None) -> Tensor:
@@ -298,16 +314,20 @@ def main(argv: list[str] | None = None) -> int:
     reference = load_format(args.model, REFERENCE, args.window, "auto", None)
     models = {REFERENCE: reference}
     own: dict[str, str] = {}
+    quantized: dict[str, dict[str, Weight]] = {}
     for name in (w for w in args.weights if w != REFERENCE):
         base = name.removesuffix(DENSE_PATH)
         if base in QUANTIZED and f"{base} fp32" not in models:  # its weights, dense fp32
             models[f"{base} fp32"] = load_format(
-                args.model, base, args.window, "auto", reference, dense_twin=True
-            )
+                args.model, base, args.window, "auto", reference, dense_twin=True,
+                quantized=quantized,
+            )  # fmt: skip
         packed = base in (STORED, *QUANTIZED)
         for isa in isas if packed else ["auto"]:
             label = f"{name} {isa}" if packed else name
-            models[label] = load_format(args.model, name, args.window, isa, reference)
+            models[label] = load_format(
+                args.model, name, args.window, isa, reference, quantized=quantized
+            )
             if base in QUANTIZED:
                 own[label] = f"{base} fp32"
     first = models[REFERENCE]

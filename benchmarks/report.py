@@ -16,11 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display; must precede pyplot
-import matplotlib.pyplot as plt
-
 IMG = Path("docs/img")
 SERIES_SHOWN = ("paged-16", "contiguous", "oracle")
 
@@ -249,7 +244,19 @@ def throughput_markdown(tp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot without a display, imported when a plot is drawn: importing it
+    costs about a second, which the tables (and the tests that import them) do not need."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_kv_memory(kv: dict[str, Any], out: Path) -> None:
+    plt = _pyplot()
     fig, axes = plt.subplots(len(SERIES_SHOWN), 1, figsize=(8, 7), sharex=True, sharey=True)
     budget = kv["allocators"][0]["budget_tokens"]
     for ax, name in zip(axes, SERIES_SHOWN, strict=True):
@@ -269,6 +276,7 @@ def plot_kv_memory(kv: dict[str, Any], out: Path) -> None:
 
 
 def plot_shared_prompt(kv: dict[str, Any], out: Path) -> None:
+    plt = _pyplot()
     rows = kv["shared_prompt"]
     users = [r["users"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -295,6 +303,7 @@ def plot_shared_prompt(kv: dict[str, Any], out: Path) -> None:
 
 
 def plot_throughput(tp: dict[str, Any], out: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for alloc in ("paged", "contiguous"):
         runs = sorted(
