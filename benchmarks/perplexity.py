@@ -231,7 +231,9 @@ def load_format(
             weight_dtype=torch.float32 if dense_twin else torch.int8, kernels=kernels,
             max_packed_tokens=limit,
         )  # fmt: skip
-        return LoadedModel(built, reference.args, reference.tokenizer, reference.model_id, name)
+        return LoadedModel(
+            built, reference.args, reference.tokenizer, reference.model_id, name, reference.family
+        )
     config = EngineConfig(model=model, dtype="float32", weights=name)
     return load_model(config.model, torch.float32, weight_dtype=config.torch_weight_dtype())
 

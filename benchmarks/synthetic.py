@@ -161,6 +161,7 @@ def build(
         tokenizer=synthetic_tokenizer(args.vocab_size),
         model_id=f"synthetic-{shape}-seed{seed}",
         name=f"{shape} (random weights)",
+        family="llama",
     )
 
 

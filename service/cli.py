@@ -17,6 +17,7 @@ import msgspec
 
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
+from service.engine.families import UnsupportedModelError
 from service.engine.params import DEFAULT_MAX_TOKENS, SamplingParams
 from service.sessions.prompt import ChatFormat
 
@@ -141,7 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_args(sv)
     sv.set_defaults(func=serve)
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except (UnsupportedModelError, FileNotFoundError) as exc:  # the model: one line, no trace
+        sys.stderr.write(f"pagechat {args.command}: {exc}\n")
+        return 2
     return result
 
 

@@ -101,3 +101,27 @@ def test_generate_renders_one_turn_with_the_template(
     assert recorded.prompts == [fmt.first_prompt(None, "Hello?")]
     printed = capsys.readouterr().out
     assert printed == tokenizer.decode(recorded.answers[0], True) + "\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_an_unsupported_model_is_refused_in_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user brings that pagechat cannot serve: one line naming it, exit status 2, no
+    traceback (serve refuses before any server starts)."""
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}'
+    )
+    argv = [command, "--model", str(tmp_path)] + (["hi"] if command == "generate" else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"pagechat {command}: unsupported model_type 'gpt_neox'")
+    assert "qwen2" in err and "docs/models.md" in err
+
+
+def test_a_missing_model_file_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["generate", "--model", str(tmp_path / "none.gguf"), "hi"]) == 2
+    assert capsys.readouterr().err == f"pagechat generate: no GGUF file at {tmp_path}/none.gguf\n"

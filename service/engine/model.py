@@ -1,4 +1,9 @@
-"""A Llama-family decoder over a flat batch of tokens, in plain torch.
+"""The decoder every supported family runs, over a flat batch of tokens, in plain torch.
+
+One layer shape with the features the families differ by, each off by default (Llama's):
+q/k/v biases (Qwen2), a per-head RMSNorm on queries and keys (Qwen3), per-frequency RoPE
+divisors (Llama 3's scaling, GGUF's `rope_freqs`). Which family sets which, and how its
+checkpoints' names map onto ours, is `service/engine/families/`.
 
 The model sees one flat run of tokens per step (every sequence's new tokens back to back, no
 batch dimension) and knows nothing about caches: each layer hands its post-RoPE Q/K/V to a
@@ -50,6 +55,16 @@ class ModelArgs:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # The family's features (service/engine/families/), Llama's by default.
+    attention_bias: bool = False  # biases on q, k and v
+    output_bias: bool = False  # a bias on the attention's output projection
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE
+    # Each RoPE frequency's divisor ([head_dim / 2]): Llama 3's scaling, GGUF's rope_freqs.
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Keys a query may see, itself included, where the family slides a window (Mistral,
+    # Phi-3); the context is capped to it (`context_length`), inside which a window changes
+    # nothing.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,6 +91,20 @@ class ModelArgs:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        factors = self.rope_freq_factors
+        if factors is not None and (
+            len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors)
+        ):
+            raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers")
+        if self.sliding_window is not None and self.sliding_window < 2:
+            raise ValueError(f"sliding_window must be at least 2, got {self.sliding_window}")
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence served exactly: the model's context, or its sliding window
+        where that is shorter (paged attention has no windows yet)."""
+        window = self.sliding_window or self.max_position_embeddings
+        return min(self.max_position_embeddings, window)
 
     @property
     def q_size(self) -> int:
@@ -119,11 +148,23 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class HeadNorm(RMSNorm):
+    """RMSNorm over each head of a [T, heads, head_dim] view (Qwen3's q/k norms): torch's
+    op, which takes the strided view as it is; the CPU kernel's takes contiguous rows."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return super().forward(x)
+
+
 def rope_tables(args: ModelArgs, device: torch.device) -> tuple[Tensor, Tensor]:
     """cos and signed sin tables [max_position_embeddings, head_dim], fp32, for the
     rotate_half layout: the sin table's first half negated (see `apply_rope`)."""
     half = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float()
     inv_freq = 1.0 / (args.rope_theta ** (half / args.head_dim))  # [D/2]
+    if args.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, device=device)
     t = torch.arange(args.max_position_embeddings, device=device).float()  # [P]
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -169,20 +210,40 @@ class Attention(nn.Module):
         # One matmul for Q, K and V: fewer kernel launches per layer on the decode hot path.
         self.qkv: Linear | QuantLinear = Linear(args.hidden_size, args.q_size + 2 * args.kv_size)
         self.o_proj: Linear | QuantLinear = Linear(args.q_size, args.hidden_size)
+        # Apart from the projection, so that a packed one (QuantLinear) takes them too.
+        self.qkv_bias: nn.Parameter | None = None
+        if args.attention_bias:
+            self.qkv_bias = nn.Parameter(torch.empty(args.q_size + 2 * args.kv_size))
+        self.o_bias: nn.Parameter | None = None
+        if args.output_bias:
+            self.o_bias = nn.Parameter(torch.empty(args.hidden_size))
+        self.q_norm: HeadNorm | None = None
+        self.k_norm: HeadNorm | None = None
+        if args.qk_norm:
+            self.q_norm = HeadNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = HeadNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention) -> Tensor:
         # x: [T, hidden]; cos/sin: [T, 1, D]
         t = x.shape[0]
         qkv = self.qkv(x)  # [T, (H + 2 KV) * D]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         qk_size = self.q_size + self.kv_size
         # Q and K rotate together: one RoPE pass instead of two.
         qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1
+            )
         qk = apply_rope(qk, cos, sin)  # [T, H + KV, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, KV, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         out = attention(self.layer, q, k, v)  # [T, H, D]
         y: Tensor = self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+        if self.o_bias is not None:
+            y = y + self.o_bias
         return y
 
 
@@ -215,8 +276,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Weights: `embed_tokens.weight`, `norm.weight`, `lm_head.weight` (untied only), and per
     layer `layers.{i}.{attn_norm.weight, attn.qkv.weight, attn.o_proj.weight, mlp_norm.weight,
-    mlp.gate_up.weight, mlp.down.weight}`. `qkv` rows are [q; k; v] with Q/K in the Hugging
-    Face (rotate_half) layout; `gate_up` rows are [gate; up].
+    mlp.gate_up.weight, mlp.down.weight}`, with the family's features `attn.qkv_bias`
+    (attention_bias), `attn.o_bias` (output_bias) and `attn.{q_norm,k_norm}.weight`
+    (qk_norm). `qkv` rows are [q; k; v] with Q/K in the Hugging Face (rotate_half) layout;
+    `gate_up` rows are [gate; up].
     """
 
     cos_table: Tensor
@@ -323,7 +386,7 @@ class LlamaModel(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)  # inference only: no autograd bookkeeping outside no_grad
         for norm in model.modules():
-            if isinstance(norm, RMSNorm):
+            if isinstance(norm, RMSNorm) and not isinstance(norm, HeadNorm):
                 norm.kernels = model.kernels
         if linears:
             assert kernels is not None
@@ -466,6 +529,9 @@ _DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
     if model.kernels is None or model.activation_dtype != torch.float32:
+        return False
+    a = model.args
+    if a.attention_bias or a.output_bias or a.qk_norm:  # the native layer has none of them
         return False
     if len(caches) != model.args.num_layers:
         return False

@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from service.engine.loader import LoadedModel
+from service.engine.loader import LoadedModel, check_model
 from service.server.app import create_app
 from service.server.config import ServerConfig
 from service.server.hub import Hub
@@ -92,8 +92,10 @@ def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
     )
     logging.getLogger("uvicorn.error").addFilter(ClientFaultFilter())
     try:
+        if loaded is None and config.engine.model is not None:
+            check_model(config.engine.model)  # an unusable model in one line, before start-up
         server = build_server(config, loaded)
-    except ValueError as exc:  # an unusable API keys file
+    except (ValueError, FileNotFoundError) as exc:  # the model, or an unusable API keys file
         sys.stderr.write(f"pagechat serve: {exc}\n")
         return 2
     # uvicorn re-raises the signal that stopped it after shutting down, which would end the

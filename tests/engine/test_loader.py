@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
+from service.engine.families.llama import unpermute_rope
 from service.engine.loader import (
     LoadedModel,
     UnsupportedModelError,
-    _unpermute_rope,
     default_model_path,
     load_model,
     open_gguf,
@@ -101,7 +101,7 @@ def _llama_cpp_permute(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, 
 def test_unpermute_inverts_llama_cpp_rope_permutation() -> None:
     w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
     stored = torch.from_numpy(_llama_cpp_permute(w, 3).copy())
-    assert torch.equal(_unpermute_rope(stored, 3), torch.from_numpy(w))
+    assert torch.equal(unpermute_rope(stored, 3), torch.from_numpy(w))
 
 
 def _tensors(loaded: LoadedModel) -> dict[str, torch.Tensor]:
@@ -180,13 +180,19 @@ def _edit_weights(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[
         (lambda d: (d / "config.json").unlink(), FileNotFoundError, "config.json"),
         (lambda d: (d / "model.safetensors").unlink(), FileNotFoundError, "safetensors"),
         (lambda d: (d / "tokenizer.json").unlink(), FileNotFoundError, "tokenizer.json"),
-        (_edit_config(model_type="mistral"), UnsupportedModelError, "mistral"),
-        (_edit_config(attention_bias=True), UnsupportedModelError, "attention_bias"),
+        (_edit_config(model_type="gpt_neox"), UnsupportedModelError, "gpt_neox"),
+        (_edit_config(mlp_bias=True), UnsupportedModelError, "mlp_bias"),
+        (
+            _edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8}),
+            UnsupportedModelError,
+            "yarn",
+        ),
         (
             _edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8}),
             UnsupportedModelError,
-            "llama3",
+            "low_freq_factor",
         ),
+        (_edit_config(hidden_act="gelu"), UnsupportedModelError, "gelu"),
         (
             _edit_config(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}),
             UnsupportedModelError,
@@ -208,9 +214,11 @@ def _edit_weights(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[
         "no-config",
         "no-weights",
         "no-tokenizer",
-        "mistral",
-        "attention-bias",
-        "llama3-rope",
+        "unknown-family",
+        "mlp-bias",
+        "yarn-rope",
+        "llama3-rope-incomplete",
+        "gelu",
         "linear-rope",
         "untied-without-lm-head",
         "missing-tensor",
@@ -238,13 +246,13 @@ def test_missing_source_fails_clearly(tmp_path: Path) -> None:
 
 def test_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> None:
     path = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(path, "qwen2")
+    writer = gguf.GGUFWriter(path, "gptneox")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="qwen2"):
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gptneox'"):
         load_model(path, torch.float32, CPU)
 
 

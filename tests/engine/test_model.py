@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import PackedEmbedding, QuantLinear, quantize
-from tests.tiny_model import ContiguousAttention, make_tiny_llama
+from service.engine.quant import PackedEmbedding, QuantLinear
+from tests.tiny_model import ContiguousAttention, dequantized_reference, make_tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -214,22 +213,6 @@ def test_model_args_reject_inconsistent_shapes(overrides: dict[str, object]) -> 
         _args(**overrides)
 
 
-def _dequantized_reference(loaded: LoadedModel, kind: WeightType) -> LlamaModel:
-    """The fp32 model over the weights a packed load holds, dequantized: what the kernels
-    must reproduce up to fp32 rounding."""
-    state = dict(loaded.model.state_dict())
-    for name, w in state.items():
-        if name.endswith(("qkv.weight", "o_proj.weight", "gate_up.weight", "down.weight")):
-            state[name] = quantize(w, kind).dequantize()
-    head = state.get("lm_head.weight", state["embed_tokens.weight"])
-    state["lm_head.weight"] = quantize(head, WeightType.Q8_0).dequantize()
-    state["embed_tokens.weight"] = quantize(
-        state["embed_tokens.weight"], WeightType.Q8_0
-    ).dequantize()
-    untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
-    return LlamaModel.from_weights(untied, state, torch.float32, CPU)
-
-
 @pytest.mark.parametrize(
     ("weight_dtype", "kind"), [(torch.uint4, WeightType.Q4_1), (torch.int8, WeightType.Q8_0)]
 )
@@ -261,7 +244,7 @@ def test_a_hf_model_quantized_at_load_time_packs_every_projection(
     if tied:
         assert packed.embed_tokens.weight is packed.lm_head.weight.parts[0]  # one table
     assert packed.weights_name == kind.name
-    reference = _dequantized_reference(loaded, kind)
+    reference = dequantized_reference(loaded, kind)
     ids = _tokens(9, seed=4)
     low = packed.compute_logits(packed(ids, torch.arange(9), ContiguousAttention(2)))
     high = reference.compute_logits(reference(ids, torch.arange(9), ContiguousAttention(2)))

@@ -84,7 +84,7 @@ def mixed_types(kernels: KernelSet) -> LoadedModel:
         args, weights, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels,
         max_packed_tokens=NATIVE_AT_EVERY_SIZE,
     )  # fmt: skip
-    return LoadedModel(model, args, gguf_tokenizer(), "mixed-types@test", "mixed-types")
+    return LoadedModel(model, args, gguf_tokenizer(), "mixed-types@test", "mixed-types", "llama")
 
 
 def _cat(parts: list[PackedWeight]) -> PackedWeight:

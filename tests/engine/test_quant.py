@@ -12,7 +12,8 @@ import torch
 from kernels.cpu import dispatch, ops
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks, WeightType, random_blocks
-from service.engine.loader import _unpermute_rope, default_model_path, open_gguf
+from service.engine.families.llama import unpermute_rope
+from service.engine.loader import default_model_path, open_gguf
 from service.engine.quant import (
     NO_CROSSOVER,
     TRIAL_ROWS,
@@ -79,8 +80,8 @@ def test_stacked_weights_keep_one_part_per_run_of_a_type() -> None:
 def test_rows_permute_with_their_blocks() -> None:
     # llama.cpp's converter permutes Q and K rows; undoing it moves whole rows of blocks.
     q = _packed(WeightType.Q5_0, 64, 64, 4)
-    undone = q.map_rows(lambda w: _unpermute_rope(w, 4))
-    assert torch.equal(undone.dequantize(), _unpermute_rope(q.dequantize(), 4))
+    undone = q.map_rows(lambda w: unpermute_rope(w, 4))
+    assert torch.equal(undone.dequantize(), unpermute_rope(q.dequantize(), 4))
 
 
 def test_steps_above_the_crossover_dequantize_and_run_a_dense_fp32_matmul(

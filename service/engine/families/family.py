@@ -1,0 +1,177 @@
+"""What a family is (`Family`), and the configuration readers most families share."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from service.engine.model import ModelArgs
+from service.engine.quant import Weight
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is readable but asks for something the decoder does not implement; the
+    message names it (the architecture, a tensor, an option) in one line."""
+
+
+# One layer's tensor by its name in the checkpoint, within the layer ("self_attn.q_proj.weight",
+# "attn_q.weight"), taken out of what is left to load: a tensor nobody takes is an error.
+TakeTensor = Callable[[str], Tensor]
+TakeWeight = Callable[[str], Weight]
+
+
+class GGUFSource(Protocol):
+    """A GGUF file as a family's reader sees it: metadata under the architecture's prefix."""
+
+    architecture: str
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}` ("block_count"), or a full key ("general.name"); without a
+        default a missing key is an error."""
+        ...
+
+    def has_tensor(self, name: str) -> bool: ...
+
+    def take_dense(self, name: str) -> Tensor:
+        """A model-level tensor (not a layer's), dequantized to fp32."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFFormat:
+    architecture: str  # general.architecture
+    args: Callable[[GGUFSource], ModelArgs]
+    layer: Callable[[TakeWeight, ModelArgs], dict[str, Weight]]  # ours <- one layer's
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]  # config.json's model_type
+    hf_args: Callable[[Mapping[str, Any]], ModelArgs]
+    hf_layer: Callable[[TakeTensor, ModelArgs], dict[str, Tensor]]  # ours <- one layer's
+    gguf: GGUFFormat | None = None  # None: served from Hugging Face files only
+
+
+# -- Hugging Face configuration --------------------------------------------------------------
+
+
+def hf_args(config: Mapping[str, Any], **features: Any) -> ModelArgs:
+    """The fields every family's config.json spells alike, checked for what the decoder lacks,
+    plus the family's `features` (ModelArgs fields)."""
+    if config.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    theta, factors = hf_rope(config, head_dim)
+    return ModelArgs(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_freq_factors=factors,
+        **features,
+    )
+
+
+def hf_rope(config: Mapping[str, Any], head_dim: int) -> tuple[float, tuple[float, ...] | None]:
+    """RoPE's base and per-frequency divisors from a config.json: transformers 5 writes
+    `rope_parameters`, earlier versions `rope_theta` and `rope_scaling`."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings ({partial}) are not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in rope]
+        if missing:
+            raise UnsupportedModelError(f"llama3 RoPE scaling without {', '.join(missing)}")
+        return theta, llama3_rope_factors(
+            head_dim,
+            theta,
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_context=int(rope["original_max_position_embeddings"]),
+        )
+    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported (default, llama3)")
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    theta: float,
+    *,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context: int,
+) -> tuple[float, ...]:
+    """Llama 3.1's RoPE scaling as divisors of the base frequencies: wavelengths shorter than
+    the original context over `high_freq_factor` are kept, those longer than it over
+    `low_freq_factor` stretched by `factor`, those between blended (the GGUF converter stores
+    the same divisors as `rope_freqs`)."""
+    low_wavelen = original_context / low_freq_factor
+    high_wavelen = original_context / high_freq_factor
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
+
+
+def hf_sliding_window(config: Mapping[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    return None if window is None else int(window)
+
+
+def hf_llama_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
+    """Llama's layer names (q/k/v, gate/up split), which most families keep; their q/k/v
+    biases (attention_bias), o's (output_bias) and q/k norms (qk_norm) where the family has
+    them."""
+    import torch
+
+    ours = {
+        "attn_norm.weight": take("input_layernorm.weight"),
+        "attn.qkv.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        "attn.o_proj.weight": take("self_attn.o_proj.weight"),
+        "mlp_norm.weight": take("post_attention_layernorm.weight"),
+        "mlp.gate_up.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+        "mlp.down.weight": take("mlp.down_proj.weight"),
+    }
+    if args.attention_bias:
+        ours["attn.qkv_bias"] = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
+    if args.output_bias:
+        ours["attn.o_bias"] = take("self_attn.o_proj.bias")
+    if args.qk_norm:
+        ours["attn.q_norm.weight"] = take("self_attn.q_norm.weight")
+        ours["attn.k_norm.weight"] = take("self_attn.k_norm.weight")
+    return ours

@@ -1,0 +1,89 @@
+"""Llama (1, 2, 3.x) and SmolLM: the decoder's plain shape, with Llama 3's RoPE scaling.
+
+GGUF: llama.cpp's converter interleaves each head's two RoPE halves of Q and K (for GPT-J style
+rotation); the layer map undoes it. Llama 3's scaling arrives as the `rope_freqs` tensor there,
+as `rope_parameters` (`rope_type: llama3`) in a config.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from service.engine.families.family import (
+    Family,
+    GGUFFormat,
+    GGUFSource,
+    TakeWeight,
+    UnsupportedModelError,
+    hf_args,
+    hf_llama_layer,
+)
+from service.engine.model import ModelArgs
+from service.engine.quant import Weight, cat_rows, map_rows
+
+
+def llama_hf_args(config: Mapping[str, Any]) -> ModelArgs:
+    bias = bool(config.get("attention_bias"))  # on q, k, v and o alike
+    return hf_args(config, attention_bias=bias, output_bias=bias)
+
+
+def llama_gguf_args(gguf: GGUFSource) -> ModelArgs:
+    scaling = gguf.field("rope.scaling.type", "none")
+    if scaling != "none":
+        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
+    hidden = int(gguf.field("embedding_length"))
+    heads = int(gguf.field("attention.head_count"))
+    head_dim = int(gguf.field("attention.key_length", hidden // heads))
+    if int(gguf.field("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    factors = None
+    if gguf.has_tensor("rope_freqs.weight"):  # Llama 3's scaling, as the converter stores it
+        factors = tuple(float(f) for f in gguf.take_dense("rope_freqs.weight"))
+    vocab = gguf.field("vocab_size", 0) or len(gguf.field("tokenizer.ggml.tokens"))
+    return ModelArgs(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf.field("feed_forward_length")),
+        num_layers=int(gguf.field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf.field("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(gguf.field("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gguf.field("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(gguf.field("context_length")),
+        tie_word_embeddings=not gguf.has_tensor("output.weight"),
+        rope_freq_factors=factors,
+    )
+
+
+def llama_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
+    # Un-permuting reorders rows (outputs), which carry their groups' scales with them.
+    q = map_rows(take("attn_q.weight"), lambda w: unpermute_rope(w, args.num_heads))
+    k = map_rows(take("attn_k.weight"), lambda w: unpermute_rope(w, args.num_kv_heads))
+    return {
+        "attn_norm.weight": take("attn_norm.weight"),
+        "attn.qkv.weight": cat_rows([q, k, take("attn_v.weight")]),
+        "attn.o_proj.weight": take("attn_output.weight"),
+        "mlp_norm.weight": take("ffn_norm.weight"),
+        "mlp.gate_up.weight": cat_rows([take("ffn_gate.weight"), take("ffn_up.weight")]),
+        "mlp.down.weight": take("ffn_down.weight"),
+    }
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's two RoPE halves for GPT-J style rope;
+    undo it to get the rotate_half layout the model uses."""
+    d_out, d_in = w.shape
+    return w.reshape(n_heads, d_out // n_heads // 2, 2, d_in).transpose(1, 2).reshape(d_out, d_in)
+
+
+FAMILY = Family(
+    name="llama",
+    hf_model_types=("llama",),
+    hf_args=llama_hf_args,
+    hf_layer=hf_llama_layer,
+    gguf=GGUFFormat("llama", llama_gguf_args, llama_gguf_layer),
+)

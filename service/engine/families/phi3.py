@@ -1,0 +1,39 @@
+"""Phi-3 and Phi-3.5 mini: Llama's layer with q, k and v in one projection (`qkv_proj`, our own
+layout already) and gate and up in one (`gate_up_proj`, [gate; up] as ours).
+
+Its 4k-context checkpoints slide a 2,047-key window, served as the capped context
+(`ModelArgs.context_length`); the 128k ones' `longrope` scaling is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from service.engine.families.family import Family, TakeTensor, hf_args, hf_sliding_window
+from service.engine.model import ModelArgs
+
+
+def phi3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
+    return hf_args(config, sliding_window=hf_sliding_window(config))
+
+
+def phi3_hf_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
+    return {
+        "attn_norm.weight": take("input_layernorm.weight"),
+        "attn.qkv.weight": take("self_attn.qkv_proj.weight"),
+        "attn.o_proj.weight": take("self_attn.o_proj.weight"),
+        "mlp_norm.weight": take("post_attention_layernorm.weight"),
+        "mlp.gate_up.weight": take("mlp.gate_up_proj.weight"),
+        "mlp.down.weight": take("mlp.down_proj.weight"),
+    }
+
+
+FAMILY = Family(
+    name="phi3",
+    hf_model_types=("phi3",),
+    hf_args=phi3_hf_args,
+    hf_layer=phi3_hf_layer,
+)

@@ -1,0 +1,30 @@
+"""Qwen3 (dense): Llama's layers with an RMSNorm over each head of q and k before RoPE, and
+q/k/v/o biases where the config asks (`attention_bias`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from service.engine.families.family import (
+    Family,
+    UnsupportedModelError,
+    hf_args,
+    hf_llama_layer,
+)
+from service.engine.model import ModelArgs
+
+
+def qwen3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
+    if config.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window=true is not supported for qwen3")
+    bias = bool(config.get("attention_bias"))  # on q, k, v and o alike
+    return hf_args(config, qk_norm=True, attention_bias=bias, output_bias=bias)
+
+
+FAMILY = Family(
+    name="qwen3",
+    hf_model_types=("qwen3",),
+    hf_args=qwen3_hf_args,
+    hf_layer=hf_llama_layer,
+)

@@ -1,0 +1,181 @@
+"""Every family against transformers: a tiny random-weight model built from the family's own
+config class, its fp32 log-probabilities at every position of a prompt, and its greedy tokens
+through the engine alone, batched, on prefix-cache hits and under preemption."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.cpu import dispatch
+from kernels.cpu.formats import WeightType
+from service.engine.families import FAMILIES
+from service.engine.loader import load_model
+from tests.engine.conftest import EngineFactory
+from tests.engine.greedy import Generated, assert_same_greedy, greedy, run
+from tests.tiny_model import ContiguousAttention, dequantized_reference, make_tiny_family
+
+CPU = torch.device("cpu")
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # ours, service/engine/families
+    model_type: str  # transformers'
+    config: dict[str, Any]
+
+
+# Llama 3.1's scaling over a 64-token original context, so that positions here reach every
+# regime: kept, blended and stretched frequencies.
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+CASES = [
+    Case("llama", "llama", {}),
+    Case("llama", "llama", {"attention_bias": True}),
+    Case("llama", "llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    Case("qwen2", "qwen2", {"tie_word_embeddings": True}),
+    Case("qwen3", "qwen3", {}),
+    Case("qwen3", "qwen3", {"attention_bias": True}),
+    Case("mistral", "mistral", {"sliding_window": None}),
+    Case("phi3", "phi3", {}),
+]
+IDS = ["llama", "llama-bias", "llama3-rope", "qwen2", "qwen3", "qwen3-bias", "mistral", "phi3"]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    case: Case = request.param
+    directory = make_tiny_family(
+        tmp_path_factory.mktemp(case.model_type) / "model", case.model_type, SHAPE | case.config
+    )
+    return case, directory, load_model(directory, torch.float32, CPU)
+
+
+def _reference(directory: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(17, 49152, (n,), generator=g).tolist()
+
+
+def test_every_family_has_a_case_here() -> None:
+    assert {f.name for f in FAMILIES} == {c.family for c in CASES}
+
+
+@torch.inference_mode()
+def test_log_probabilities_match_transformers_at_every_position(case: Any) -> None:
+    """Max |difference| of log-probabilities over transformers' top 20, at each of 100
+    positions: a 60-token prefill, then one token a step."""
+    spec, directory, loaded = case
+    assert loaded.family == spec.family
+    ids = torch.tensor(_prompt(100))
+    expected = torch.log_softmax(_reference(directory)(ids[None]).logits[0], -1)  # [S, V]
+    model = loaded.model
+    attention = ContiguousAttention(loaded.args.num_layers)
+    rows = [model.compute_logits(model(ids[:60], torch.arange(60), attention))]
+    for pos in range(60, len(ids)):
+        rows.append(model.compute_logits(model(ids[pos : pos + 1], torch.tensor([pos]), attention)))
+    ours = torch.log_softmax(torch.cat(rows), -1)
+    top = expected.topk(20, dim=-1).indices  # [S, 20]
+    worst = (ours.gather(1, top) - expected.gather(1, top)).abs().max(dim=1).values  # [S]
+    assert float(worst.max()) <= 1e-3, f"position {int(worst.argmax())}: {float(worst.max())}"
+
+
+def _transformers_greedy(directory: Path, prompt: list[int], n: int) -> list[int]:
+    out = _reference(directory).generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n
+    )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
+
+
+def _as_generated(tokens: list[int]) -> Generated:
+    # transformers gives no margins: any difference fails, as a margin of infinity would.
+    return Generated(token_ids=tokens, margins=[float("inf")] * len(tokens))
+
+
+def test_greedy_tokens_match_transformers_batched_cached_and_preempted(
+    case: Any, make_engine: EngineFactory
+) -> None:
+    """32 greedy tokens per prompt, equal to transformers' own: four prompts joining a batch
+    at different steps in chunked prefills, two of them sharing a 32-token prefix (cache
+    hits), then all four under a KV budget that preempts (swap and recompute)."""
+    _, directory, loaded = case
+    shared = _prompt(32, seed=9)
+    prompts = {
+        "a": _prompt(40, seed=1),
+        "b": _prompt(7, seed=2),
+        "c": [*shared, *_prompt(5, seed=3)],
+        "d": [*shared, *_prompt(9, seed=4)],
+    }
+    expected = {
+        rid: _as_generated(_transformers_greedy(directory, p, 32)) for rid, p in prompts.items()
+    }
+    batched = make_engine(loaded, max_num_batched_tokens=24, max_num_seqs=4)
+    got = run(batched, prompts, greedy(32), join_at={"b": 1, "c": 3, "d": 5})
+    assert batched.stats().blocks.prefix_hits >= 32
+    assert_same_greedy(expected, got)
+    for mode in ("swap", "recompute"):
+        tight = make_engine(loaded, block_size=8, num_device_blocks=12, preemption_mode=mode)
+        got = run(tight, prompts, greedy(32))
+        stats = tight.stats()
+        assert stats.preemptions_swap + stats.preemptions_recompute > 0
+        assert_same_greedy(expected, got)
+
+
+@torch.inference_mode()
+def test_packed_weights_run_every_family_as_its_dequantized_weights(case: Any) -> None:
+    """Quantized at load time (Q8_0 through the CPU kernels, as `--weights int8` does), each
+    family's features (biases, q/k norms, RoPE divisors) stay around the packed projections:
+    the logits are those of the fp32 model over the same weights dequantized. Those features
+    keep a model off the one-call native stack, on the op-by-op path."""
+    _, directory, loaded = case
+    kernels = dispatch.select("auto")
+    packed = load_model(directory, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels)
+    args = packed.args
+    if args.attention_bias or args.output_bias or args.qk_norm:
+        caches = [(torch.zeros(4, 16, args.num_kv_heads, args.head_dim),) * 2] * args.num_layers
+        assert packed.model.native_decoder_stack(caches) is None
+    reference = dequantized_reference(loaded, WeightType.Q8_0)
+    ids = torch.tensor(_prompt(20, seed=5))
+    low = packed.model.compute_logits(packed.model(ids, torch.arange(20), ContiguousAttention(2)))
+    high = reference.compute_logits(reference(ids, torch.arange(20), ContiguousAttention(2)))
+    assert float((low - high).abs().max() / high.abs().max()) <= 1e-4
+
+
+def test_a_sliding_window_caps_the_context_to_the_window(tmp_path: Path) -> None:
+    """Inside its window a sliding-window model is exact; past it paged attention has no
+    windows yet, so the engine serves no longer sequence than the window."""
+    from service.engine.config import EngineConfig
+    from service.engine.engine import LLMEngine
+
+    directory = make_tiny_family(tmp_path / "m", "mistral", SHAPE | {"sliding_window": 48})
+    loaded = load_model(directory, torch.float32, CPU)
+    assert loaded.args.sliding_window == 48 and loaded.args.context_length == 48
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", device="cpu", max_model_len=512), loaded=loaded
+    )
+    assert engine.max_model_len == 48
+    engine.close()
