@@ -307,6 +307,9 @@ def _load_hf(directory: Path, build: _Build) -> LoadedModel:
         take = functools.partial(_take, raw)
         layer = family.hf_layer(functools.partial(_in_layer, take, f"layers.{i}."), args)
         weights |= {f"layers.{i}.{ours}": w for ours, w in layer.items()}
+    if family.hf_norm_offset:
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name].float() + family.hf_norm_offset
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise UnsupportedModelError(f"unexpected tensors: {sorted(leftover)[:5]}")

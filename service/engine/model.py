@@ -15,7 +15,7 @@ Hugging Face checkpoints into them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +65,15 @@ class ModelArgs:
     # Phi-3); the context is capped to it (`context_length`), inside which a window changes
     # nothing.
     sliding_window: int | None = None
+    # Gemma's: the layers that slide the window (the others see everything), with their own
+    # RoPE base; an MLP activation; norms after each sublayer too; embeddings scaled; the
+    # attention's scale from its own constant instead of head_dim ** -0.5.
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -98,6 +107,19 @@ class ModelArgs:
             raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers")
         if self.sliding_window is not None and self.sliding_window < 2:
             raise ValueError(f"sliding_window must be at least 2, got {self.sliding_window}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError("sliding_layers must name layers of the model")
+
+    @property
+    def plain(self) -> bool:
+        """Llama's layer exactly, which the one-call native stack runs."""
+        return not (
+            self.attention_bias or self.output_bias or self.qk_norm or self.sandwich_norms
+            or self.embedding_scale is not None or self.attention_scale is not None
+            or self.hidden_act != "silu" or self.local_rope_theta is not None
+        )  # fmt: skip
 
     @property
     def context_length(self) -> int:
@@ -158,11 +180,14 @@ class HeadNorm(RMSNorm):
         return super().forward(x)
 
 
-def rope_tables(args: ModelArgs, device: torch.device) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    args: ModelArgs, device: torch.device, theta: float | None = None
+) -> tuple[Tensor, Tensor]:
     """cos and signed sin tables [max_position_embeddings, head_dim], fp32, for the
-    rotate_half layout: the sin table's first half negated (see `apply_rope`)."""
+    rotate_half layout: the sin table's first half negated (see `apply_rope`). `theta`:
+    another base than `args.rope_theta` (Gemma's local layers)."""
     half = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float()
-    inv_freq = 1.0 / (args.rope_theta ** (half / args.head_dim))  # [D/2]
+    inv_freq = 1.0 / ((theta or args.rope_theta) ** (half / args.head_dim))  # [D/2]
     if args.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, device=device)
     t = torch.arange(args.max_position_embeddings, device=device).float()  # [P]
@@ -217,6 +242,10 @@ class Attention(nn.Module):
         self.o_bias: nn.Parameter | None = None
         if args.output_bias:
             self.o_bias = nn.Parameter(torch.empty(args.hidden_size))
+        # The runner's attention scales by head_dim ** -0.5; another scale pre-scales q.
+        self.q_scale = 1.0
+        if args.attention_scale is not None:
+            self.q_scale = args.attention_scale / args.head_dim**-0.5
         self.q_norm: HeadNorm | None = None
         self.k_norm: HeadNorm | None = None
         if args.qk_norm:
@@ -238,6 +267,8 @@ class Attention(nn.Module):
             )
         qk = apply_rope(qk, cos, sin)  # [T, H + KV, D]
         q = qk[:, : self.num_heads]  # [T, H, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         k = qk[:, self.num_heads :]  # [T, KV, D]
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         out = attention(self.layer, q, k, v)  # [T, H, D]
@@ -247,15 +278,28 @@ class Attention(nn.Module):
         return y
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.act = _ACTIVATIONS[args.hidden_act]
+        self.silu = args.hidden_act == "silu"
         self.gate_up: Linear | QuantLinear = Linear(args.hidden_size, 2 * args.intermediate_size)
         self.down: Linear | QuantLinear = Linear(args.intermediate_size, args.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
-        y: Tensor = self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
+        act = F.silu(gate, inplace=True) if self.silu else self.act(gate)
+        y: Tensor = self.down(act.mul_(up))  # [T, hidden]
         return y
 
 
@@ -266,11 +310,23 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(args, layer)
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        self.local = layer in args.sliding_layers  # takes the local RoPE tables
+        self.post_attn_norm: RMSNorm | None = None
+        self.post_mlp_norm: RMSNorm | None = None
+        if args.sandwich_norms:
+            self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.post_mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: LayerAttention) -> Tensor:
         # In place: x is this forward's own residual stream (never the caller's tensor).
-        x = x.add_(self.attn(self.attn_norm(x), cos, sin, attention))  # [T, hidden]
-        return x.add_(self.mlp(self.mlp_norm(x)))  # [T, hidden]
+        y = self.attn(self.attn_norm(x), cos, sin, attention)  # [T, hidden]
+        if self.post_attn_norm is not None:
+            y = self.post_attn_norm(y)
+        x = x.add_(y)
+        y = self.mlp(self.mlp_norm(x))  # [T, hidden]
+        if self.post_mlp_norm is not None:
+            y = self.post_mlp_norm(y)
+        return x.add_(y)  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
@@ -308,6 +364,9 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(args, torch.device("cpu"))
         self.register_buffer("cos_table", cos, persistent=False)
         self.register_buffer("sin_table", sin, persistent=False)
+        self.local_tables: tuple[Tensor, Tensor] | None = None
+        if args.local_rope_theta is not None:
+            self.local_tables = rope_tables(args, torch.device("cpu"), args.local_rope_theta)
 
     @classmethod
     def from_weights(
@@ -402,6 +461,10 @@ class LlamaModel(nn.Module):
         # The reference Llama casts cos/sin to the activations' dtype; so do we.
         model.cos_table = model.cos_table.to(device=device, dtype=dtype)
         model.sin_table = model.sin_table.to(device=device, dtype=dtype)
+        if model.local_tables is not None:
+            model.local_tables = tuple(  # type: ignore[assignment]
+                t.to(device=device, dtype=dtype) for t in model.local_tables
+            )
         return model.eval()
 
     @property
@@ -452,11 +515,19 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
         # input_ids, positions: [T] int64 -> hidden [T, hidden], after the final norm.
         # NOTE: positions must be < max_position_embeddings; the runner caps max_model_len.
-        x = self.embed_tokens(input_ids).to(self.activation_dtype)  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.args.embedding_scale is not None:  # scaled in the weights' dtype, as Gemma's
+            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
+        x = x.to(self.activation_dtype)
         cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D]
+        local = (cos, sin)
+        if self.local_tables is not None:
+            local = tuple(t[positions].unsqueeze(1) for t in self.local_tables)  # type: ignore[assignment]
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)  # [T, hidden]
+            assert isinstance(layer, DecoderLayer)
+            layer_cos, layer_sin = local if layer.local else (cos, sin)
+            x = layer(x, layer_cos, layer_sin, attention)  # [T, hidden]
         hidden: Tensor = self.norm(x)  # [T, hidden]
         return hidden
 
@@ -530,8 +601,7 @@ _DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
     if model.kernels is None or model.activation_dtype != torch.float32:
         return False
-    a = model.args
-    if a.attention_bias or a.output_bias or a.qk_norm:  # the native layer has none of them
+    if not model.args.plain:  # the native layer has none of the families' features
         return False
     if len(caches) != model.args.num_layers:
         return False

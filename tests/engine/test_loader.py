@@ -244,15 +244,25 @@ def test_missing_source_fails_clearly(tmp_path: Path) -> None:
         load_model(tmp_path / "nothing", torch.float32, CPU)
 
 
-def test_gguf_of_another_architecture_is_unsupported(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "message"),
+    [
+        ("gptneox", "unsupported GGUF architecture 'gptneox'; supported: llama"),
+        ("gemma3", "'gemma3' is served from its Hugging Face directory only"),
+        ("qwen2", "'qwen2' is served from its Hugging Face directory only"),
+    ],
+)
+def test_gguf_of_another_architecture_is_unsupported(
+    tmp_path: Path, architecture: str, message: str
+) -> None:
     path = tmp_path / "other.gguf"
-    writer = gguf.GGUFWriter(path, "gptneox")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'gptneox'"):
+    with pytest.raises(UnsupportedModelError, match=message):
         load_model(path, torch.float32, CPU)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.engine.families import llama, mistral, phi3, qwen2, qwen3
+from service.engine.families import gemma3, llama, mistral, phi3, qwen2, qwen3
 from service.engine.families.family import Family, UnsupportedModelError
 
 FAMILIES: tuple[Family, ...] = (
@@ -24,6 +24,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     phi3.FAMILY,
+    gemma3.FAMILY,
 )
 
 __all__ = ["FAMILIES", "Family", "UnsupportedModelError", "family_of_gguf", "family_of_hf"]
@@ -49,7 +50,7 @@ def family_of_gguf(architecture: str) -> Family:
         if family.gguf is not None and architecture == family.gguf.architecture:
             return family
     for family in FAMILIES:
-        if architecture in family.hf_model_types:  # a family we serve from HF files only
+        if architecture in (family.name, *family.hf_model_types):  # served from HF files only
             raise UnsupportedModelError(
                 f"GGUF architecture {architecture!r} is served from its Hugging Face directory"
                 " only, not yet from a GGUF file (docs/models.md)"

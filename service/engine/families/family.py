@@ -55,23 +55,34 @@ class Family:
     hf_args: Callable[[Mapping[str, Any]], ModelArgs]
     hf_layer: Callable[[TakeTensor, ModelArgs], dict[str, Tensor]]  # ours <- one layer's
     gguf: GGUFFormat | None = None  # None: served from Hugging Face files only
+    # Added to every RMSNorm weight of a Hugging Face checkpoint: Gemma's norms scale by
+    # (1 + weight), ours by the weight (GGUF files store the sum already).
+    hf_norm_offset: float = 0.0
 
 
 # -- Hugging Face configuration --------------------------------------------------------------
 
 
-def hf_args(config: Mapping[str, Any], **features: Any) -> ModelArgs:
+def hf_args(
+    config: Mapping[str, Any],
+    *,
+    rope: tuple[float, tuple[float, ...] | None] | None = None,
+    **features: Any,
+) -> ModelArgs:
     """The fields every family's config.json spells alike, checked for what the decoder lacks,
-    plus the family's `features` (ModelArgs fields)."""
+    plus the family's `features` (ModelArgs fields); `rope` (base, divisors) where the family
+    reads its own."""
     if config.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
-    act = config.get("hidden_act", config.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+    act = config.get("hidden_act") or config.get("hidden_activation") or "silu"
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(
+            f"hidden_act {act!r} is not supported (silu, gelu_pytorch_tanh)"
+        )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // heads)
-    theta, factors = hf_rope(config, head_dim)
+    theta, factors = rope if rope is not None else hf_rope(config, head_dim)
     return ModelArgs(
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -85,6 +96,7 @@ def hf_args(config: Mapping[str, Any], **features: Any) -> ModelArgs:
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_freq_factors=factors,
+        hidden_act=act,
         **features,
     )
 

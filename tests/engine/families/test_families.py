@@ -54,8 +54,29 @@ CASES = [
     Case("qwen3", "qwen3", {"attention_bias": True}),
     Case("mistral", "mistral", {"sliding_window": None}),
     Case("phi3", "phi3", {}),
+    # One local and one global layer, each with its RoPE base; an attention scale that is
+    # not head_dim ** -0.5; a window longer than the sequences here (the context's cap).
+    Case(
+        "gemma3",
+        "gemma3_text",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 128,
+            "query_pre_attn_scalar": 32,
+        },
+    ),
 ]
-IDS = ["llama", "llama-bias", "llama3-rope", "qwen2", "qwen3", "qwen3-bias", "mistral", "phi3"]
+IDS = [
+    "llama",
+    "llama-bias",
+    "llama3-rope",
+    "qwen2",
+    "qwen3",
+    "qwen3-bias",
+    "mistral",
+    "phi3",
+    "gemma3",
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)

@@ -1,0 +1,85 @@
+"""Gemma 3 (text: 270M, 1B; `gemma3_text`): local and global layers, each kind with its own
+RoPE base, q/k norms, norms before and after each sublayer, a gated tanh-GELU MLP, embeddings
+scaled by sqrt(hidden), the attention scaled by `query_pre_attn_scalar`, and norms that scale
+by (1 + weight). The local layers slide a window; the context is capped to it for now
+(`ModelArgs.context_length`). The multimodal checkpoints (`gemma3`, 4B and up) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from service.engine.families.family import (
+    Family,
+    TakeTensor,
+    UnsupportedModelError,
+    hf_args,
+    hf_llama_layer,
+)
+from service.engine.model import ModelArgs
+
+
+def _rope_base(rope: Mapping[str, Any], kind: str) -> float:
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(
+            f"RoPE scaling {rope.get('rope_type')!r} on gemma3's {kind} layers is not supported"
+        )
+    return float(rope["rope_theta"])
+
+
+def gemma3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(cap) is not None:
+            raise UnsupportedModelError(f"{cap} is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention=true is not supported")
+    per_kind = config.get("rope_parameters") or {}
+    if "full_attention" in per_kind:  # transformers 5: a RoPE per kind of layer
+        global_theta = _rope_base(per_kind["full_attention"], "global")
+        local_theta = _rope_base(per_kind["sliding_attention"], "local")
+    else:  # earlier: rope_theta, rope_scaling and rope_local_base_freq
+        global_theta = _rope_base(
+            {"rope_theta": config.get("rope_theta", 1e6), **(config.get("rope_scaling") or {})},
+            "global",
+        )
+        local_theta = float(config.get("rope_local_base_freq", 10000.0))
+    layers = int(config["num_hidden_layers"])
+    kinds = config.get("layer_types") or [
+        "full_attention" if (i + 1) % int(config.get("sliding_window_pattern", 6)) == 0
+        else "sliding_attention"
+        for i in range(layers)
+    ]  # fmt: skip
+    hidden = int(config["hidden_size"])
+    return hf_args(
+        config,
+        rope=(global_theta, None),
+        qk_norm=True,
+        sandwich_norms=True,
+        embedding_scale=hidden**0.5,
+        attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
+        local_rope_theta=local_theta,
+        sliding_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
+        sliding_window=int(config["sliding_window"]),
+    )
+
+
+def gemma3_hf_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
+    # Llama's names, the norms around the MLP renamed (`input_layernorm` is still ours
+    # `attn_norm`), plus the two norms after the sublayers.
+    renamed = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+    ours = hf_llama_layer(lambda name: take(renamed.get(name, name)), args)
+    ours["post_attn_norm.weight"] = take("post_attention_layernorm.weight")
+    ours["post_mlp_norm.weight"] = take("post_feedforward_layernorm.weight")
+    return ours
+
+
+FAMILY = Family(
+    name="gemma3",
+    hf_model_types=("gemma3_text",),
+    hf_args=gemma3_hf_args,
+    hf_layer=gemma3_hf_layer,
+    hf_norm_offset=1.0,
+)
