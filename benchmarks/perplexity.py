@@ -235,6 +235,14 @@ def load_format(
             built, reference.args, reference.tokenizer, reference.model_id, name, reference.family
         )
     config = EngineConfig(model=model, dtype="float32", weights=name)
+    if reference is not None:  # the reference's dense weights cast, not the file read again
+        built = LlamaModel.from_weights(
+            reference.args, reference.model.state_dict(), torch.float32, torch.device("cpu"),
+            weight_dtype=config.torch_weight_dtype(),
+        )  # fmt: skip
+        return LoadedModel(
+            built, reference.args, reference.tokenizer, reference.model_id, name, reference.family
+        )
     return load_model(config.model, torch.float32, weight_dtype=config.torch_weight_dtype())
 
 
