@@ -160,6 +160,13 @@ def llama3_rope_factors(
     return tuple(factors)
 
 
+def refuse_qwen_windows(config: Mapping[str, Any], family: str) -> None:
+    """Qwen configs carry a sliding_window that only use_sliding_window switches on (on the
+    layers from max_window_layers); no released checkpoint switches it on."""
+    if config.get("use_sliding_window"):
+        raise UnsupportedModelError(f"use_sliding_window=true is not supported for {family}")
+
+
 def hf_sliding_window(config: Mapping[str, Any]) -> int | None:
     window = config.get("sliding_window")
     return None if window is None else int(window)

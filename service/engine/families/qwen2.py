@@ -6,20 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.engine.families.family import (
-    Family,
-    UnsupportedModelError,
-    hf_args,
-    hf_llama_layer,
-)
+from service.engine.families.family import Family, hf_args, hf_llama_layer, refuse_qwen_windows
 from service.engine.model import ModelArgs
 
 
 def qwen2_hf_args(config: Mapping[str, Any]) -> ModelArgs:
-    # Qwen2 configs carry a sliding_window that only use_sliding_window switches on (on the
-    # layers from max_window_layers); no released checkpoint switches it on.
-    if config.get("use_sliding_window"):
-        raise UnsupportedModelError("use_sliding_window=true is not supported for qwen2")
+    refuse_qwen_windows(config, "qwen2")
     return hf_args(config, attention_bias=True)
 
 

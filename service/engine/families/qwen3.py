@@ -6,18 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.engine.families.family import (
-    Family,
-    UnsupportedModelError,
-    hf_args,
-    hf_llama_layer,
-)
+from service.engine.families.family import Family, hf_args, hf_llama_layer, refuse_qwen_windows
 from service.engine.model import ModelArgs
 
 
 def qwen3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
-    if config.get("use_sliding_window"):
-        raise UnsupportedModelError("use_sliding_window=true is not supported for qwen3")
+    refuse_qwen_windows(config, "qwen3")
     bias = bool(config.get("attention_bias"))  # on q, k, v and o alike
     return hf_args(config, qk_norm=True, attention_bias=bias, output_bias=bias)
 
