@@ -19,8 +19,13 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-# Trailing tokens some families emit to end a turn or a document; stopping on them is safe.
-_END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+# Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
+# ChatML, Llama 3's turn and tool-call message ends, Mistral's, Gemma's, Phi-3's): stopping on
+# them is safe, and a checkpoint's config often names only one.
+_END_MARKERS = (
+    *("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>"),
+    *("<end_of_turn>", "<|end|>"),
+)
 
 # GGUF `tokenizer.ggml.pre` values whose pre-tokenizer we can rebuild exactly.
 _GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2")

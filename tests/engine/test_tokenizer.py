@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,24 @@ def test_templates_that_trim_content_are_spliced_trimmed(hf_dir: Path) -> None:
     ids = tok.apply_chat_template(chat)
     assert tok.decode(ids) == "<|im_start|>user\npadded <|im_start|><|im_end|>\n"
     assert ids.count(IM_START) == 1
+
+
+@pytest.mark.parametrize("marker", ["<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>"])
+def test_each_familys_end_of_turn_token_stops_an_answer(
+    hf_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    """Gemma's, Phi-3's and Llama 3's turn ends are stop tokens wherever the vocabulary has them
+    as special tokens, though the checkpoint's config names another eos."""
+    from tokenizers import AddedToken
+
+    shutil.copytree(hf_dir, tmp_path, dirs_exist_ok=True)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(marker, special=True, normalized=False)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    marker_id = backend.token_to_id(marker)
+    assert marker_id is not None and marker_id in tok.eos_token_ids
+    assert marker_id not in Tokenizer.from_hf_dir(hf_dir).eos_token_ids
 
 
 def test_messages_need_string_role_and_content(tok: Tokenizer) -> None:
