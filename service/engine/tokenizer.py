@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 # Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
@@ -27,8 +27,25 @@ _END_MARKERS = (
     *("<end_of_turn>", "<|end|>"),
 )
 
+# How a family's byte-level BPE splits text before merging (llama.cpp's pre-tokenizer regexes,
+# by GGUF `tokenizer.ggml.pre`): Llama 3's keeps runs of up to three digits, Qwen2's single
+# digits. SmolLM's and GPT-2's are the tokenizers library's own (below).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 # GGUF `tokenizer.ggml.pre` values whose pre-tokenizer we can rebuild exactly.
-_GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2")
+_GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2", *_GGUF_SPLITS)
 
 # gguf token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -93,11 +110,15 @@ class Tokenizer:
         pairs = [_merge_pair(m) for m in merges]
         backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.pre_tokenizer = (
-            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-            if pre == "smollm"
-            else byte_level
-        )
+        if pre in _GGUF_SPLITS:
+            split = pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated")
+            bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            backend.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
+        elif pre == "smollm":
+            digits = pre_tokenizers.Digits(individual_digits=True)
+            backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [

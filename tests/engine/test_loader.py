@@ -259,9 +259,9 @@ def test_missing_source_fails_clearly(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("architecture", "message"),
     [
-        ("gptneox", "unsupported GGUF architecture 'gptneox'; supported: llama"),
+        ("gptneox", "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3"),
         ("gemma3", "'gemma3' is served from its Hugging Face directory only"),
-        ("qwen2", "'qwen2' is served from its Hugging Face directory only"),
+        ("phi3", "'phi3' is served from its Hugging Face directory only"),
     ],
 )
 def test_gguf_of_another_architecture_is_unsupported(

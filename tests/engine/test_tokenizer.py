@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 
 from service.engine.tokenizer import Tokenizer
+from tests.gguf_files import add_bundled_tokenizer, finish
 from tests.tiny_model import gguf_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
@@ -188,3 +189,35 @@ def test_flush_releases_an_incomplete_trailing_character(tok: Tokenizer) -> None
 def test_streaming_skips_special_tokens_by_default(tok: Tokenizer) -> None:
     stream = tok.detokenizer()
     assert "".join(stream.push(i) for i in [*tok.encode("Paris."), IM_END]) == "Paris."
+
+
+# Digits in runs, contractions in both cases, punctuation runs, newlines, CJK and emoji: where
+# the families' pre-tokenizers part ways.
+SPLIT_PROBES = [
+    "In 2024, 1234567 people said: I'M sure we'll go, you'D see... won't they?",
+    "def f(x):\n\treturn x**2  # squares\n\n\n   indented\r\nline",
+    "東京は日本の首都です。😀 naïve café — ¿qué?  trailing spaces   ",
+    "a1b22c333d4444 3.14159 0x1F $5,000.00 @user #tag",
+]
+
+
+def test_gguf_pre_tokenizers_split_as_transformers_reads_the_same_file(tmp_path: Path) -> None:
+    """Llama 3's and Qwen2's GGUF files name their pre-tokenizer (`tokenizer.ggml.pre`); over
+    one vocabulary, each rebuilt here encodes as transformers' own GGUF reader does, and the
+    two split digits apart (runs of three, one by one)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    encoded = {}
+    for pre in ("llama-bpe", "qwen2"):
+        path = tmp_path / pre / "tok.gguf"
+        path.parent.mkdir()
+        writer = gguf.GGUFWriter(path, "llama")
+        add_bundled_tokenizer(writer, pre=pre)
+        finish(writer)
+        ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+        theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        for text in SPLIT_PROBES:
+            assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
+        encoded[pre] = ours.encode(SPLIT_PROBES[0])
+    assert encoded["llama-bpe"] != encoded["qwen2"]

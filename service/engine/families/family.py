@@ -7,10 +7,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from service.engine.model import ModelArgs
-from service.engine.quant import Weight
+from service.engine.quant import Weight, cat_rows, dense
 
 
 class UnsupportedModelError(ValueError):
@@ -167,6 +168,58 @@ def refuse_qwen_windows(config: Mapping[str, Any], family: str) -> None:
         raise UnsupportedModelError(f"use_sliding_window=true is not supported for {family}")
 
 
+# -- GGUF metadata ---------------------------------------------------------------------------
+
+
+def gguf_args(gguf: GGUFSource, **features: Any) -> ModelArgs:
+    """The `{architecture}.*` keys llama.cpp's converter writes alike for every family, plus the
+    family's `features`."""
+    scaling = gguf.field("rope.scaling.type", "none")
+    if scaling != "none":
+        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
+    hidden = int(gguf.field("embedding_length"))
+    heads = int(gguf.field("attention.head_count"))
+    head_dim = int(gguf.field("attention.key_length", hidden // heads))
+    if int(gguf.field("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError("partial rotary embeddings are not supported")
+    vocab = gguf.field("vocab_size", 0) or len(gguf.field("tokenizer.ggml.tokens"))
+    return ModelArgs(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf.field("feed_forward_length")),
+        num_layers=int(gguf.field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf.field("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(gguf.field("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gguf.field("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(gguf.field("context_length")),
+        tie_word_embeddings=not gguf.has_tensor("output.weight"),
+        **features,
+    )
+
+
+def gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
+    """llama.cpp's layer names for the families whose Q and K rows it stores as Hugging Face
+    does (all but llama's, which it interleaves: `llama.py`), with their biases and q/k norms."""
+    ours = {
+        "attn_norm.weight": take("attn_norm.weight"),
+        "attn.qkv.weight": cat_rows([take(f"attn_{p}.weight") for p in "qkv"]),
+        "attn.o_proj.weight": take("attn_output.weight"),
+        "mlp_norm.weight": take("ffn_norm.weight"),
+        "mlp.gate_up.weight": cat_rows([take("ffn_gate.weight"), take("ffn_up.weight")]),
+        "mlp.down.weight": take("ffn_down.weight"),
+    }
+    if args.attention_bias:
+        ours["attn.qkv_bias"] = torch.cat([dense(take(f"attn_{p}.bias")) for p in "qkv"])
+    if args.output_bias:
+        ours["attn.o_bias"] = dense(take("attn_output.bias"))
+    if args.qk_norm:
+        ours["attn.q_norm.weight"] = take("attn_q_norm.weight")
+        ours["attn.k_norm.weight"] = take("attn_k_norm.weight")
+    return ours
+
+
 def hf_sliding_window(config: Mapping[str, Any]) -> int | None:
     window = config.get("sliding_window")
     return None if window is None else int(window)
@@ -176,8 +229,6 @@ def hf_llama_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
     """Llama's layer names (q/k/v, gate/up split), which most families keep; their q/k/v
     biases (attention_bias), o's (output_bias) and q/k norms (qk_norm) where the family has
     them."""
-    import torch
-
     ours = {
         "attn_norm.weight": take("input_layernorm.weight"),
         "attn.qkv.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),

@@ -17,7 +17,7 @@ from service.engine.families.family import (
     GGUFFormat,
     GGUFSource,
     TakeWeight,
-    UnsupportedModelError,
+    gguf_args,
     hf_args,
     hf_llama_layer,
 )
@@ -31,32 +31,10 @@ def llama_hf_args(config: Mapping[str, Any]) -> ModelArgs:
 
 
 def llama_gguf_args(gguf: GGUFSource) -> ModelArgs:
-    scaling = gguf.field("rope.scaling.type", "none")
-    if scaling != "none":
-        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
-    hidden = int(gguf.field("embedding_length"))
-    heads = int(gguf.field("attention.head_count"))
-    head_dim = int(gguf.field("attention.key_length", hidden // heads))
-    if int(gguf.field("rope.dimension_count", head_dim)) != head_dim:
-        raise UnsupportedModelError("partial rotary embeddings are not supported")
     factors = None
     if gguf.has_tensor("rope_freqs.weight"):  # Llama 3's scaling, as the converter stores it
         factors = tuple(float(f) for f in gguf.take_dense("rope_freqs.weight"))
-    vocab = gguf.field("vocab_size", 0) or len(gguf.field("tokenizer.ggml.tokens"))
-    return ModelArgs(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(gguf.field("feed_forward_length")),
-        num_layers=int(gguf.field("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(gguf.field("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rope_theta=float(gguf.field("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(gguf.field("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(gguf.field("context_length")),
-        tie_word_embeddings=not gguf.has_tensor("output.weight"),
-        rope_freq_factors=factors,
-    )
+    return gguf_args(gguf, rope_freq_factors=factors)
 
 
 def llama_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:

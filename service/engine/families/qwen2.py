@@ -6,7 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.engine.families.family import Family, hf_args, hf_llama_layer, refuse_qwen_windows
+from service.engine.families.family import (
+    Family,
+    GGUFFormat,
+    GGUFSource,
+    gguf_args,
+    gguf_layer,
+    hf_args,
+    hf_llama_layer,
+    refuse_qwen_windows,
+)
 from service.engine.model import ModelArgs
 
 
@@ -15,9 +24,14 @@ def qwen2_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     return hf_args(config, attention_bias=True)
 
 
+def qwen2_gguf_args(gguf: GGUFSource) -> ModelArgs:
+    return gguf_args(gguf, attention_bias=True)
+
+
 FAMILY = Family(
     name="qwen2",
     hf_model_types=("qwen2",),
     hf_args=qwen2_hf_args,
     hf_layer=hf_llama_layer,
+    gguf=GGUFFormat("qwen2", qwen2_gguf_args, gguf_layer),
 )

@@ -6,7 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from service.engine.families.family import Family, hf_args, hf_llama_layer, refuse_qwen_windows
+from service.engine.families.family import (
+    Family,
+    GGUFFormat,
+    GGUFSource,
+    gguf_args,
+    gguf_layer,
+    hf_args,
+    hf_llama_layer,
+    refuse_qwen_windows,
+)
 from service.engine.model import ModelArgs
 
 
@@ -16,9 +25,15 @@ def qwen3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     return hf_args(config, qk_norm=True, attention_bias=bias, output_bias=bias)
 
 
+def qwen3_gguf_args(gguf: GGUFSource) -> ModelArgs:
+    bias = gguf.has_tensor("blk.0.attn_q.bias")
+    return gguf_args(gguf, qk_norm=True, attention_bias=bias, output_bias=bias)
+
+
 FAMILY = Family(
     name="qwen3",
     hf_model_types=("qwen3",),
     hf_args=qwen3_hf_args,
     hf_layer=hf_llama_layer,
+    gguf=GGUFFormat("qwen3", qwen3_gguf_args, gguf_layer),
 )
