@@ -109,16 +109,7 @@ class Tokenizer:
         vocab = {tok: i for i, tok in enumerate(tokens)}
         pairs = [_merge_pair(m) for m in merges]
         backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _GGUF_SPLITS:
-            split = pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated")
-            bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            backend.pre_tokenizer = pre_tokenizers.Sequence([split, bytes_only])
-        elif pre == "smollm":
-            digits = pre_tokenizers.Digits(individual_digits=True)
-            backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
+        backend.pre_tokenizer = gguf_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
             [
@@ -313,6 +304,21 @@ def _checked(message: Mapping[str, str]) -> dict[str, str]:
     if not isinstance(role, str) or not isinstance(content, str):
         raise ValueError("each message needs a string 'role' and a string 'content'")
     return {"role": role, "content": content}
+
+
+def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """How a GGUF's byte-level BPE splits text before merging, by its `tokenizer.ggml.pre`."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GGUF_SPLITS:
+        split = pre_tokenizers.Split(Regex(_GGUF_SPLITS[pre]), behavior="isolated")
+        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, bytes_only])
+    if pre == "smollm":
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level])
+    if pre == "gpt-2":
+        return byte_level
+    raise ValueError(f"no pre-tokenizer {pre!r}")
 
 
 def _end_marker_ids(backend: Backend) -> list[int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as Backend
 
-from service.engine.tokenizer import Tokenizer
+from service.engine.tokenizer import Tokenizer, gguf_pre_tokenizer
 from tests.gguf_files import add_bundled_tokenizer, finish
 from tests.tiny_model import gguf_tokenizer
 
@@ -203,12 +203,10 @@ SPLIT_PROBES = [
 
 def test_gguf_pre_tokenizers_split_as_transformers_reads_the_same_file(tmp_path: Path) -> None:
     """Llama 3's and Qwen2's GGUF files name their pre-tokenizer (`tokenizer.ggml.pre`); over
-    one vocabulary, each rebuilt here encodes as transformers' own GGUF reader does, and the
-    two split digits apart (runs of three, one by one)."""
+    one vocabulary, each rebuilt here encodes as transformers' own GGUF reader does."""
     import gguf
     from transformers import AutoTokenizer
 
-    encoded = {}
     for pre in ("llama-bpe", "qwen2"):
         path = tmp_path / pre / "tok.gguf"
         path.parent.mkdir()
@@ -219,5 +217,17 @@ def test_gguf_pre_tokenizers_split_as_transformers_reads_the_same_file(tmp_path:
         theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         for text in SPLIT_PROBES:
             assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
-        encoded[pre] = ours.encode(SPLIT_PROBES[0])
-    assert encoded["llama-bpe"] != encoded["qwen2"]
+
+
+def test_the_pre_tokenizers_part_ways_where_their_families_do() -> None:
+    def pieces(pre: str, text: str) -> list[str]:
+        return [p for p, _ in gguf_pre_tokenizer(pre).pre_tokenize_str(text)]
+
+    assert pieces("llama-bpe", "1234567") == ["123", "456", "7"]
+    assert pieces("qwen2", "1234567") == list("1234567")
+    assert pieces("smollm", "1234567") == list("1234567")
+    assert pieces("gpt-2", "1234567") == ["1234567"]
+    # Llama 3 folds contractions' case; the letters run on.
+    assert pieces("llama-bpe", "I'M here") == ["I", "'M", "Ġhere"]
+    with pytest.raises(ValueError, match="no pre-tokenizer 'tekken'"):
+        gguf_pre_tokenizer("tekken")
