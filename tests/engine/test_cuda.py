@@ -22,7 +22,11 @@ from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
 from tests.engine.conftest import EngineFactory
+from tests.engine.families.test_families import CASES as FAMILY_CASES
+from tests.engine.families.test_families import IDS as FAMILY_IDS
+from tests.engine.families.test_families import SHAPE, Case
 from tests.engine.greedy import BF16_NEAR_TIE, NEAR_TIE, Generated, assert_same_greedy, greedy, run
+from tests.tiny_model import make_tiny_family
 
 pytestmark = [
     pytest.mark.skipif(
@@ -183,3 +187,27 @@ def test_cuda_parallel_samples_share_the_prompt_then_copy_on_write(
     assert engine.stats().blocks.blocks_copied == 1
     assert samples[0].token_ids == samples[1].token_ids
     assert_same_greedy({"r0": single}, {"r0": samples[0]})
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=FAMILY_IDS)
+def test_cuda_runs_every_family_as_the_cpu_does(
+    make_engine: EngineFactory, tmp_path: Path, case: Case
+) -> None:
+    """Each family's tiny model (tests/engine/families) on the GPU through the Triton kernels
+    and CUDA graphs, fp32: its greedy tokens batched, with prefix-cache hits, in a small pool,
+    equal to the CPU fp32 engine's, each request alone."""
+    directory = make_tiny_family(tmp_path / "m", case.model_type, SHAPE | case.config)
+    on_cpu = load_model(directory, dtype=torch.float32, device=torch.device("cpu"))
+    on_gpu = load_model(directory, dtype=torch.float32, device=CUDA)
+    shared = [17 + i for i in range(32)]
+    requests = prompts(3, seed=5) | {"s0": [*shared, 99], "s1": [*shared, 100, 101]}
+    reference: dict[str, Generated] = {}
+    for rid, prompt in requests.items():
+        engine = make_engine(loaded=on_cpu, attention_backend="torch", enable_prefix_caching=False)
+        reference |= run(engine, {rid: prompt}, greedy(MAX_TOKENS))
+    engine = make_engine(loaded=on_gpu, dtype="float32", block_size=8, num_device_blocks=24,
+                         num_cpu_blocks=32, preemption_mode="swap", **ON_CUDA)  # fmt: skip
+    got = run(engine, requests, greedy(MAX_TOKENS), join_at={"s1": 3})
+    assert engine.stats().blocks.prefix_hits > 0
+    assert_same_greedy(reference, got)
+    assert graphs_of(engine).replays > 0
