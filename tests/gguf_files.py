@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from service.engine.loader import default_model_path, open_gguf
+from service.engine import loader
+from service.engine.loader import default_model_path
 
 TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "eos_token_id", "bos_token_id")
 
@@ -17,7 +18,7 @@ TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "eos_token_i
 def add_bundled_tokenizer(writer: gguf.GGUFWriter, pre: str | None = None) -> None:
     """The bundled SmolLM2 GGUF's tokenizer fields, copied; `pre`: another
     `tokenizer.ggml.pre` (how text is split before merging) over the same vocabulary."""
-    bundled = open_gguf(default_model_path())
+    bundled = loader.open_gguf(default_model_path())  # parsed once a session (tests/conftest.py)
     for key in TOKENIZER_KEYS:
         field = bundled.get_field(f"tokenizer.ggml.{key}")
         assert field is not None

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as Backend
 
+from service.engine.loader import open_gguf
 from service.engine.tokenizer import Tokenizer, gguf_pre_tokenizer
 from tests.gguf_files import add_bundled_tokenizer, finish
 from tests.tiny_model import gguf_tokenizer
@@ -213,7 +214,7 @@ def test_gguf_pre_tokenizers_split_as_transformers_reads_the_same_file(tmp_path:
         writer = gguf.GGUFWriter(path, "llama")
         add_bundled_tokenizer(writer, pre=pre)
         finish(writer)
-        ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+        ours = Tokenizer.from_gguf(open_gguf(path))
         theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         for text in SPLIT_PROBES:
             assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
