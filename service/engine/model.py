@@ -1,9 +1,11 @@
 """The decoder every supported family runs, over a flat batch of tokens, in plain torch.
 
 One layer shape with the features the families differ by, each off by default (Llama's):
-q/k/v biases (Qwen2), a per-head RMSNorm on queries and keys (Qwen3), per-frequency RoPE
-divisors (Llama 3's scaling, GGUF's `rope_freqs`). Which family sets which, and how its
-checkpoints' names map onto ours, is `service/engine/families/`.
+q/k/v and output biases (Qwen2, Qwen3), a per-head RMSNorm on queries and keys (Qwen3, Gemma
+3), per-frequency RoPE divisors (Llama 3's scaling, GGUF's `rope_freqs`), and Gemma 3's local
+layers with their own RoPE base, norms after each sublayer, tanh-GELU, scaled embeddings and
+attention scale. Which family sets which, and how its checkpoints' names map onto ours, is
+`service/engine/families/`.
 
 The model sees one flat run of tokens per step (every sequence's new tokens back to back, no
 batch dimension) and knows nothing about caches: each layer hands its post-RoPE Q/K/V to a
@@ -310,7 +312,6 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(args, layer)
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
-        self.local = layer in args.sliding_layers  # takes the local RoPE tables
         self.post_attn_norm: RMSNorm | None = None
         self.post_mlp_norm: RMSNorm | None = None
         if args.sandwich_norms:
@@ -524,9 +525,8 @@ class LlamaModel(nn.Module):
         local = (cos, sin)
         if self.local_tables is not None:
             local = tuple(t[positions].unsqueeze(1) for t in self.local_tables)  # type: ignore[assignment]
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            layer_cos, layer_sin = local if layer.local else (cos, sin)
+        for i, layer in enumerate(self.layers):
+            layer_cos, layer_sin = local if i in self.args.sliding_layers else (cos, sin)
             x = layer(x, layer_cos, layer_sin, attention)  # [T, hidden]
         hidden: Tensor = self.norm(x)  # [T, hidden]
         return hidden
