@@ -1,6 +1,7 @@
 """Attention backends: one interface, a torch reference (CPU) and Triton kernels (GPU).
 
-The runner calls `plan` once per step, then per layer `write_kv` and `attend`; block moves
+The runner calls `plan` once per step, then per layer `write_kv` and `attend` (with the layer's
+sliding window, if it has one: the query sees only that many keys, its own included); block moves
 (`copy_blocks` for copy-on-write, `swap_blocks` between the device and CPU pools) run between
 steps. Pools are `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`; a layer's K cache
 is `pool[layer, 0]`.
@@ -40,6 +41,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         plan: Any,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
     def copy_blocks(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
@@ -81,11 +83,13 @@ class TorchBackend:
         meta: AttentionMetadata,
         plan: Any,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         decode = None
         if self.kernels is not None and _native_decode_applies(query, key_cache):
             decode = _NativeDecode(self.kernels)
-        return reference.paged_attention(query, key_cache, value_cache, plan, scale, decode)
+        windowed = plan.windowed(window)
+        return reference.paged_attention(query, key_cache, value_cache, windowed, scale, decode)
 
     def copy_blocks(self, pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         reference.copy_blocks(pool, src, dst)

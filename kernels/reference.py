@@ -1,14 +1,15 @@
 """Pure-torch paged attention and cache ops: the CPU backend and the Triton kernels' oracle.
 
-Attention is planned once per step (gather indices and masks shared by every layer), then each
-layer gathers its K/V through the plan and calls torch's SDPA. Decode rows (one query token) are
+Attention is planned once per step (gather indices and masks shared by every layer; layers that
+slide a window share a second plan), then each layer gathers its K/V through the plan and calls
+torch's SDPA. Decode rows (one query token) are
 batched into a single padded SDPA call; prefill chunks, few per step, run one SDPA each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,8 @@ class DecodeGroup:
     blocks: torch.Tensor  # [Bd, C] int64: physical block of each context position (0 = pad)
     offsets: torch.Tensor  # [Bd, C] int64: offset inside that block
     slots: torch.Tensor  # [Bd * C] int64: blocks * block_size + offsets, flattened
-    mask: torch.Tensor  # [Bd, 1, 1, C] bool: True where the context position exists
-    seq_lens: torch.Tensor  # [Bd] int64: each row's context length (its valid slots)
+    mask: torch.Tensor  # [Bd, 1, 1, C] bool: True where the position is a key the row sees
+    seq_lens: torch.Tensor  # [Bd] int64: how many keys each row sees (its leading valid slots)
 
 
 @dataclass(slots=True)
@@ -33,7 +34,8 @@ class PrefillChunk:
     blocks: torch.Tensor  # [S] int64
     offsets: torch.Tensor  # [S] int64
     slots: torch.Tensor  # [S] int64
-    mask: torch.Tensor | None  # [Q, S] bool causal mask with the cached prefix; None: plain causal
+    # [Q, S] bool: causal with the cached prefix, inside the window; None: plain causal
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -41,10 +43,26 @@ class TorchAttentionPlan:
     num_tokens: int
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    meta: AttentionMetadata
+    window: int | None = None  # keys each query sees, itself included; None: all before it
+    # Plans of the same step for other windows, made at their first layer and kept for the rest.
+    others: dict[int | None, TorchAttentionPlan] = field(default_factory=dict)
+
+    def windowed(self, window: int | None) -> TorchAttentionPlan:
+        """This step's plan for layers that see only the last `window` keys."""
+        if window == self.window:
+            return self
+        if window not in self.others:
+            self.others[window] = plan_attention(self.meta, window)
+        return self.others[window]
 
 
-def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
-    """Precompute gather indices and masks for one step (no device-to-host sync)."""
+def plan_attention(meta: AttentionMetadata, window: int | None = None) -> TorchAttentionPlan:
+    """Precompute gather indices and masks for one step (no device-to-host sync). With a
+    `window`, each query sees only the `window` keys ending at its own position, and only
+    those are gathered."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
     device = meta.block_tables.device
     bs = meta.block_size
     tables = meta.block_tables.to(torch.int64)
@@ -52,34 +70,37 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
     decode_idx = [i for i, q in enumerate(meta.query_lens_host) if q == 1]
     decode: DecodeGroup | None = None
     if decode_idx:
-        max_ctx = max(meta.seq_lens_host[i] for i in decode_idx)
+        firsts = [_first_key(meta.seq_lens_host[i], 1, window) for i in decode_idx]
+        counts = [meta.seq_lens_host[i] - f for i, f in zip(decode_idx, firsts, strict=True)]
         idx = torch.tensor(decode_idx, dtype=torch.int64, device=device)
-        seq_lens = torch.tensor(
-            [meta.seq_lens_host[i] for i in decode_idx], dtype=torch.int64, device=device
-        )
-        pos = torch.arange(max_ctx, device=device)  # [C]
-        valid = pos[None, :] < seq_lens[:, None]  # [Bd, C]
-        logical = torch.where(valid, pos[None, :] // bs, 0)  # [Bd, C]
-        blocks = torch.gather(tables[idx], 1, logical)
-        # Padding reads the sequence's own first token, never stale slots that may hold NaN.
-        offsets = torch.where(valid, pos % bs, 0)
+        seen = torch.tensor(counts, dtype=torch.int64, device=device)  # keys each row sees
+        first = torch.tensor(firsts, dtype=torch.int64, device=device)
+        column = torch.arange(max(counts), device=device)  # [C]
+        valid = column[None, :] < seen[:, None]  # [Bd, C]
+        # Padding reads the row's own first key, never stale slots that may hold NaN.
+        pos = first[:, None] + torch.where(valid, column[None, :], 0)  # [Bd, C]
+        blocks = torch.gather(tables[idx], 1, pos // bs)
+        offsets = pos % bs
         decode = DecodeGroup(
             rows=torch.tensor([starts[i] for i in decode_idx], dtype=torch.int64, device=device),
             blocks=blocks,
             offsets=offsets,
             slots=(blocks * bs + offsets).flatten(),
             mask=valid[:, None, None, :],
-            seq_lens=seq_lens,
+            seq_lens=seen,
         )
     prefills: list[PrefillChunk] = []
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
         if q_len == 1:
             continue
-        pos = torch.arange(s_len, device=device)
+        first_key = _first_key(s_len, q_len, window)
+        pos = torch.arange(first_key, s_len, device=device)
         mask = None
-        if q_len != s_len:
+        if q_len != s_len or (window is not None and window < s_len):
             q_pos = torch.arange(s_len - q_len, s_len, device=device)
             mask = pos[None, :] <= q_pos[:, None]  # [Q, S]
+            if window is not None:
+                mask &= pos[None, :] > q_pos[:, None] - window
         blocks = tables[i, pos // bs]
         prefills.append(
             PrefillChunk(
@@ -91,7 +112,17 @@ def plan_attention(meta: AttentionMetadata) -> TorchAttentionPlan:
                 mask=mask,
             )
         )
-    return TorchAttentionPlan(num_tokens=meta.num_tokens, decode=decode, prefills=prefills)
+    return TorchAttentionPlan(
+        num_tokens=meta.num_tokens, decode=decode, prefills=prefills, meta=meta, window=window
+    )
+
+
+def _first_key(seq_len: int, query_len: int, window: int | None) -> int:
+    """The first context position any of a chunk's queries (the last `query_len` of
+    `seq_len`) sees through a window."""
+    if window is None:
+        return 0
+    return max(0, seq_len - query_len - window + 1)
 
 
 DecodeAttention = Callable[

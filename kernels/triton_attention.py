@@ -4,7 +4,9 @@
 
 One launch covers the whole batch, semantics as `kernels.reference.paged_attention`: sequence i
 owns query rows [qsl[i], qsl[i+1]) at the end of its `seq_len` tokens of context, and each row
-attends to the context positions up to its own through the block table.
+attends to the context positions up to its own through the block table (with a sliding window,
+only the last `window` of them: the program's context range starts at its first row's
+window).
 
 Grid `(q_blocks, kv_heads, splits)`. A program takes BLOCK_Q consecutive query tokens of one
 sequence and every query head of one KV head, flattened into BLOCK_M = BLOCK_Q * GROUP rows
@@ -89,6 +91,7 @@ def _attend_tile(
     pos,  # [M] context position of each row's token
     start,  # first context position of the tile
     hi,  # end of this program's context range
+    window,  # keys a row sees, its own included (WINDOWED only)
     table,  # the sequence's block-table row
     k_cache_ptr,
     v_cache_ptr,
@@ -101,12 +104,14 @@ def _attend_tile(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """One TILE_N-token step of the online softmax. MASKED: the tile may run past `hi` or
-    hold positions some rows must not see; without it every load and score is used as is.
+    hold positions some rows must not see (after a row's own, or, WINDOWED, `window` or more
+    before it); without it every load and score is used as is.
 
     K and V are both loaded [N, D] through one offset vector (the caches share strides), so
     the block ids are loaded and turned into addresses once; OFFSETS_32 keeps that arithmetic
@@ -134,6 +139,8 @@ def _attend_tile(
     s = _dot(q, tl.trans(k), IEEE_DOT, UPCAST_DOT) * scale_log2  # [M, N], log2 domain
     if MASKED:
         allowed = kmask[None, :] & (kpos[None, :] <= pos[:, None])
+        if WINDOWED:
+            allowed = allowed & (kpos[None, :] > pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with nothing allowed yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
@@ -158,6 +165,7 @@ def _paged_attention_kernel(
     part_m_ptr,  # [T, Hq, S] fp32
     part_l_ptr,  # [T, Hq, S] fp32
     scale_log2,
+    window,  # keys each row sees, its own included (WINDOWED only)
     num_seqs,
     num_q_heads,
     stride_qt,
@@ -177,6 +185,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     ONE_TOKEN_PER_SEQ: tl.constexpr,
     SKIP_MASKS: tl.constexpr,
+    WINDOWED: tl.constexpr,
     OFFSETS_32: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -211,39 +220,56 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [M, D]
 
-    # The tile's last token sees the most context; rows before it are masked causally.
+    # The tile's last token sees the most context; rows before it are masked causally. Under
+    # a window the first token's reaches back furthest; rows after it are masked there.
     kv_end = tl.minimum(seq_len, ctx_len + (local_block + 1) * BLOCK_Q)
+    first_pos = ctx_len + local_block * BLOCK_Q
+    kv_start = tl.maximum(first_pos - window + 1, 0) if WINDOWED else 0
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        lo = kv_start + split * per_split
         hi = tl.minimum(lo + per_split, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Whole tiles at or before the first row's position are seen by every row and lie inside
-    # the context: they skip the bounds and causal masks (a decode token's whole context but
-    # its last partial tile). The rest, the causal diagonal and the tail, is masked.
+    # Whole tiles at or before the first row's position (and, under a window, inside the
+    # last row's) are seen by every row and lie inside the context: they skip the bounds and
+    # causal masks (a decode token's whole context but its last partial tile). The rest, the
+    # window's edge, the causal diagonal and the tail, is masked.
     if SKIP_MASKS:
-        seen_by_all = tl.minimum(hi, ctx_len + local_block * BLOCK_Q + 1)
-        unmasked_end = lo + tl.maximum(seen_by_all - lo, 0) // TILE_N * TILE_N
+        if WINDOWED:
+            seen_from = tl.maximum(kv_end - window, lo)
+            head_end = lo + tl.cdiv(seen_from - lo, TILE_N) * TILE_N
+        else:
+            head_end = lo
+        seen_by_all = tl.minimum(hi, first_pos + 1)
+        unmasked_end = head_end + tl.maximum(seen_by_all - head_end, 0) // TILE_N * TILE_N
     else:
+        head_end = lo
         unmasked_end = lo
-    for start in range(lo, unmasked_end, TILE_N):
+    if WINDOWED:
+        for start in range(lo, tl.minimum(head_end, hi), TILE_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, pos, start, hi, window, table, k_cache_ptr, v_cache_ptr,
+                kv_head, scale_log2, stride_cb, stride_co, stride_ch,
+                TILE_N, HEAD_DIM, PAGE_SIZE, True, True, OFFSETS_32, IEEE_DOT, UPCAST_DOT,
+            )  # fmt: skip
+    for start in range(head_end, unmasked_end, TILE_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, pos, start, hi, table, k_cache_ptr, v_cache_ptr, kv_head,
-            scale_log2, stride_cb, stride_co, stride_ch,
-            TILE_N, HEAD_DIM, PAGE_SIZE, False, OFFSETS_32, IEEE_DOT, UPCAST_DOT,
+            acc, l_i, m_i, q, pos, start, hi, window, table, k_cache_ptr, v_cache_ptr,
+            kv_head, scale_log2, stride_cb, stride_co, stride_ch,
+            TILE_N, HEAD_DIM, PAGE_SIZE, False, WINDOWED, OFFSETS_32, IEEE_DOT, UPCAST_DOT,
         )  # fmt: skip
     for start in range(unmasked_end, hi, TILE_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, pos, start, hi, table, k_cache_ptr, v_cache_ptr, kv_head,
-            scale_log2, stride_cb, stride_co, stride_ch,
-            TILE_N, HEAD_DIM, PAGE_SIZE, True, OFFSETS_32, IEEE_DOT, UPCAST_DOT,
+            acc, l_i, m_i, q, pos, start, hi, window, table, k_cache_ptr, v_cache_ptr,
+            kv_head, scale_log2, stride_cb, stride_co, stride_ch,
+            TILE_N, HEAD_DIM, PAGE_SIZE, True, WINDOWED, OFFSETS_32, IEEE_DOT, UPCAST_DOT,
         )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -280,7 +306,7 @@ def _reduce_splits_kernel(
     m = tl.load(part_m_ptr + base + splits)  # [S]
     lsum = tl.load(part_l_ptr + base + splits)  # [S]
     acc = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :])  # [S, D]
-    # Split 0 holds context position 0, which every row sees, so m_max is finite.
+    # Every row sees its own position, which some split holds, so m_max is finite.
     m_max = tl.max(m, 0)
     w = tl.exp2(m - m_max)  # [S]; empty splits (m = -inf) weigh 0
     total = tl.sum(w * lsum, 0)
@@ -301,9 +327,11 @@ def launch_paged_attention(
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     launch: AttentionLaunch,
     scale: float,
+    window: int | None = None,
 ) -> None:
     """Launch attention (and the split reduce); inputs already validated by the caller, the
-    value cache with the key cache's strides."""
+    value cache with the key cache's strides. `window`: each row sees only that many keys,
+    its own included."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     part_out, part_m, part_l = scratch
@@ -320,6 +348,7 @@ def launch_paged_attention(
         part_m,
         part_l,
         scale * LOG2_E,
+        window or 0,
         seq_lens.shape[0],
         num_q_heads,
         query.stride(0),
@@ -339,6 +368,7 @@ def launch_paged_attention(
         NUM_SPLITS=launch.num_splits,
         ONE_TOKEN_PER_SEQ=launch.one_token_per_seq,
         SKIP_MASKS=launch.skip_masks,
+        WINDOWED=window is not None,
         OFFSETS_32=launch.narrow_offsets and offsets_fit_int32(key_cache),
         IEEE_DOT=query.dtype == torch.float32,
         UPCAST_DOT=INTERPRETER and query.dtype == torch.bfloat16,

@@ -26,6 +26,7 @@ from kernels.triton_attention import launch_paged_attention
 from kernels.triton_cache_ops import CACHE_DTYPES, check_cache, kernels_run_on
 
 Scratch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+LaunchKey = tuple[int, int, int, torch.dtype, int | None]
 
 
 @dataclass(slots=True)
@@ -37,23 +38,30 @@ class TritonAttentionPlan:
     num_sms: int
     tuning: LaunchTuning | None
     torch_plan: reference.TorchAttentionPlan | None  # set when falling back to the reference
-    # (q heads, kv heads, head dim, dtype) -> launch and scratch; the layers of one model
-    # share one entry, so it is built once per step.
-    launches: dict[tuple[int, int, int, torch.dtype], tuple[AttentionLaunch, Scratch]] = field(
-        default_factory=dict
-    )
+    # (q heads, kv heads, head dim, dtype, window) -> launch and scratch; the layers of one
+    # model share one entry per window, so it is built once per step.
+    launches: dict[LaunchKey, tuple[AttentionLaunch, Scratch]] = field(default_factory=dict)
 
     def launch_for(
-        self, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        window: int | None = None,
     ) -> tuple[AttentionLaunch, Scratch]:
-        key = (num_q_heads, num_kv_heads, head_dim, dtype)
+        key = (num_q_heads, num_kv_heads, head_dim, dtype, window)
         if key not in self.launches:
             meta = self.meta
+            # The most keys one program reads: a window bounds it for its first row.
+            max_span = meta.max_seq_len
+            if window is not None:
+                max_span = min(max_span, window + meta.max_query_len - 1)
             launch = choose_launch(
                 num_tokens=meta.num_tokens,
                 num_seqs=meta.num_seqs,
                 max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len,
+                max_seq_len=max_span,
                 num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
@@ -126,13 +134,16 @@ class TritonBackend:
         meta: AttentionMetadata,
         plan: TritonAttentionPlan,
         scale: float,
+        window: int | None = None,  # keys each query sees, its own included; None: all
         out: torch.Tensor | None = None,  # [T, Hq, D]: where to write, else a new tensor
     ) -> torch.Tensor:  # [T, Hq, D]
         if plan.meta is not meta:
             raise ValueError("plan was made for another step's metadata")
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         if plan.torch_plan is not None:
             result = reference.paged_attention(
-                query, key_cache, value_cache, plan.torch_plan, scale
+                query, key_cache, value_cache, plan.torch_plan.windowed(window), scale
             )
             return result if out is None else out.copy_(result)
         _check_attention_inputs(query, key_cache, value_cache, plan)
@@ -143,7 +154,9 @@ class TritonBackend:
             raise ValueError(f"out must match the query ({tuple(query.shape)}, {query.dtype})")
         elif out.stride(2) != 1:
             raise ValueError("out must be contiguous in head_dim")
-        launch, scratch = plan.launch_for(num_q_heads, key_cache.shape[2], head_dim, query.dtype)
+        launch, scratch = plan.launch_for(
+            num_q_heads, key_cache.shape[2], head_dim, query.dtype, window
+        )
         if num_tokens == 0:
             return out
         launch_paged_attention(
@@ -157,6 +170,7 @@ class TritonBackend:
             scratch,
             launch,
             scale,
+            window,
         )
         return out
 

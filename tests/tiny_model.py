@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.backend import TorchBackend
+from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
+from kernels.metadata import AttentionMetadata
 from service.engine.loader import LoadedModel, default_model_path, open_gguf
-from service.engine.model import LlamaModel
+from service.engine.model import LlamaModel, ModelArgs
 from service.engine.quant import quantize
 from service.engine.tokenizer import Tokenizer
 
@@ -180,6 +183,50 @@ class ContiguousAttention:
             enable_gqa=True,
         )
         return out.transpose(0, 1)  # [T, H, D]
+
+
+class PagedAttention:
+    """One sequence's `LayerAttention` through the paged cache as the runner drives it: each
+    step's K/V written into blocks handed out in shuffled order, attention planned once per
+    step and run by the CPU backend (decode rows by the CPU kernel, in place), every layer
+    under its own sliding window (`ModelArgs.layer_windows`)."""
+
+    def __init__(self, args: ModelArgs, *, block_size: int = 8, num_blocks: int = 64) -> None:
+        self.backend = TorchBackend(dispatch.select("auto"))
+        self.windows = args.layer_windows
+        self.block_size = block_size
+        shape = (args.num_layers, 2, num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        self.pool = torch.zeros(shape)
+        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+        self.length = 0
+        self.step: tuple[AttentionMetadata, object] | None = None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if layer == 0:  # a new step: its tokens follow the cached ones
+            self.step = self._plan(q.shape[0])
+        assert self.step is not None
+        meta, plan = self.step
+        key_cache, value_cache = self.pool[layer, 0], self.pool[layer, 1]
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        return self.backend.attend(
+            q, key_cache, value_cache, meta, plan, q.shape[-1] ** -0.5, self.windows[layer]
+        )
+
+    def _plan(self, new: int) -> tuple[AttentionMetadata, object]:
+        start, self.length = self.length, self.length + new
+        bs = self.block_size
+        blocks = self.table[: -(-self.length // bs)]
+        positions = torch.arange(start, self.length)
+        meta = AttentionMetadata(
+            slot_mapping=blocks[positions // bs] * bs + positions % bs,
+            query_start_loc=torch.tensor([0, new], dtype=torch.int32),
+            seq_lens=torch.tensor([self.length], dtype=torch.int32),
+            block_tables=blocks[None].to(torch.int32),
+            block_size=bs,
+            query_lens_host=[new],
+            seq_lens_host=[self.length],
+        )
+        return meta, self.backend.plan(meta)
 
 
 @torch.inference_mode()

@@ -88,14 +88,7 @@ class LLMEngine:
         self.cpu_kernels = loaded.model.kernels
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len, loaded.args.context_length)
-        window = loaded.args.sliding_window
-        if window is not None and window < config.max_model_len:
-            log.warning(
-                "%s slides a %d-key attention window, which paged attention does not yet:"
-                " sequences are capped at %d tokens (docs/models.md)",
-                loaded.name, window, self.max_model_len,
-            )  # fmt: skip
+        self.max_model_len = min(config.max_model_len, loaded.args.max_position_embeddings)
         namespace = f"{loaded.model_id}|{config.cache_salt}"
         num_device, num_cpu = self._pool_sizes(loaded.args)
         self.kv_tier = self._open_tier(loaded.args, namespace)

@@ -64,8 +64,7 @@ class ModelArgs:
     # Each RoPE frequency's divisor ([head_dim / 2]): Llama 3's scaling, GGUF's rope_freqs.
     rope_freq_factors: tuple[float, ...] | None = None
     # Keys a query may see, itself included, where the family slides a window (Mistral,
-    # Phi-3); the context is capped to it (`context_length`), inside which a window changes
-    # nothing.
+    # Phi-3: every layer; Gemma 3: its `sliding_layers`).
     sliding_window: int | None = None
     # Gemma's: the layers that slide the window (the others see everything), with their own
     # RoPE base; an MLP activation; norms after each sublayer too; embeddings scaled; the
@@ -121,14 +120,17 @@ class ModelArgs:
             self.attention_bias or self.output_bias or self.qk_norm or self.sandwich_norms
             or self.embedding_scale is not None or self.attention_scale is not None
             or self.hidden_act != "silu" or self.local_rope_theta is not None
+            or self.sliding_window is not None
         )  # fmt: skip
 
     @property
-    def context_length(self) -> int:
-        """The longest sequence served exactly: the model's context, or its sliding window
-        where that is shorter (paged attention has no windows yet)."""
-        window = self.sliding_window or self.max_position_embeddings
-        return min(self.max_position_embeddings, window)
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: it sees the whole context): every layer's
+        where the family names no `sliding_layers`, else only theirs."""
+        window = self.sliding_window
+        if window is None or not self.sliding_layers:
+            return (window,) * self.num_layers
+        return tuple(window if i in self.sliding_layers else None for i in range(self.num_layers))
 
     @property
     def q_size(self) -> int:

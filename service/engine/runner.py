@@ -82,6 +82,7 @@ class PagedLayerAttention:
     meta: AttentionMetadata
     plan: object
     scale: float
+    windows: tuple[int | None, ...]  # per layer: its sliding window, or None
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -89,7 +90,9 @@ class PagedLayerAttention:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         key_cache, value_cache = self.caches[layer]
         self.backend.write_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
-        return self.backend.attend(q, key_cache, value_cache, self.meta, self.plan, self.scale)
+        return self.backend.attend(
+            q, key_cache, value_cache, self.meta, self.plan, self.scale, self.windows[layer]
+        )
 
 
 class ModelRunner:
@@ -113,6 +116,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.scale = args.head_dim**-0.5
+        self.layer_windows = args.layer_windows
         shape = (args.num_layers, 2, 0, block_size, args.num_kv_heads, args.head_dim)
         self.scratch_block = num_device_blocks  # never in a block table the manager builds
         self.device_pool = torch.zeros(
@@ -248,6 +252,7 @@ class ModelRunner:
             meta=inputs.meta,
             plan=inputs.plan,
             scale=self.scale,
+            windows=self.layer_windows,
         )
         hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, attention)
         return hidden

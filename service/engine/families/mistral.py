@@ -1,9 +1,7 @@
 """Mistral and Ministral: Llama's layers with a sliding attention window.
 
-The window is `sliding_window` keys, the query's own included (transformers' mask). The paged
-attention has no windows yet, so the context is capped to the window, where a window changes
-nothing (`ModelArgs.context_length`); Mistral 7B v0.3 and Nemo have none and keep their whole
-context.
+The window is `sliding_window` keys, the query's own included (transformers' mask), applied by
+the paged attention on every layer; Mistral 7B v0.3 and Nemo have none.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Phi-3 and Phi-3.5 mini: Llama's layer with q, k and v in one projection (`qkv_proj`, our own
 layout already) and gate and up in one (`gate_up_proj`, [gate; up] as ours).
 
-Its 4k-context checkpoints slide a 2,047-key window, served as the capped context
-(`ModelArgs.context_length`); the 128k ones' `longrope` scaling is refused by name.
+Its 4k-context checkpoints slide a 2,047-key window on every layer; the 128k ones' `longrope`
+scaling is refused by name.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Every family against transformers: a tiny random-weight model built from the family's own
-config class, its fp32 log-probabilities at every position of a prompt, and its greedy tokens
-through the engine alone, batched, on prefix-cache hits and under preemption."""
+config class, its fp32 log-probabilities at every position of a prompt longer than its sliding
+window (through the paged cache), and its greedy tokens through the engine alone, batched, on
+prefix-cache hits and under preemption."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from service.engine.families import FAMILIES
 from service.engine.loader import load_model
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import Generated, assert_same_greedy, greedy, run
-from tests.tiny_model import ContiguousAttention, dequantized_reference, make_tiny_family
+from tests.tiny_model import (
+    ContiguousAttention,
+    PagedAttention,
+    dequantized_reference,
+    make_tiny_family,
+)
 
 CPU = torch.device("cpu")
 SHAPE = dict(
@@ -52,16 +58,18 @@ CASES = [
     Case("qwen2", "qwen2", {"tie_word_embeddings": True}),
     Case("qwen3", "qwen3", {}),
     Case("qwen3", "qwen3", {"attention_bias": True}),
-    Case("mistral", "mistral", {"sliding_window": None}),
-    Case("phi3", "phi3", {}),
+    # Windows far shorter than the prompts here (100 tokens; 41 to 73 for greedy decoding),
+    # and not multiples of the blocks (8 or 16 tokens).
+    Case("mistral", "mistral", {"sliding_window": 20}),
+    Case("phi3", "phi3", {"sliding_window": 27}),
     # One local and one global layer, each with its RoPE base; an attention scale that is
-    # not head_dim ** -0.5; a window longer than the sequences here (the context's cap).
+    # not head_dim ** -0.5.
     Case(
         "gemma3",
         "gemma3_text",
         {
             "layer_types": ["sliding_attention", "full_attention"],
-            "sliding_window": 128,
+            "sliding_window": 24,
             "query_pre_attn_scalar": 32,
         },
     ),
@@ -108,13 +116,14 @@ def test_every_family_has_a_case_here() -> None:
 @torch.inference_mode()
 def test_log_probabilities_match_transformers_at_every_position(case: Any) -> None:
     """Max |difference| of log-probabilities over transformers' top 20, at each of 100
-    positions: a 60-token prefill, then one token a step."""
+    positions: a 60-token prefill, then one token a step, through the paged cache."""
     spec, directory, loaded = case
     assert loaded.family == spec.family
+    assert loaded.args.sliding_window == spec.config.get("sliding_window")
     ids = torch.tensor(_prompt(100))
     expected = torch.log_softmax(_reference(directory)(ids[None]).logits[0], -1)  # [S, V]
     model = loaded.model
-    attention = ContiguousAttention(loaded.args.num_layers)
+    attention = PagedAttention(loaded.args)
     rows = [model.compute_logits(model(ids[:60], torch.arange(60), attention))]
     for pos in range(60, len(ids)):
         rows.append(model.compute_logits(model(ids[pos : pos + 1], torch.tensor([pos]), attention)))
@@ -186,17 +195,16 @@ def test_packed_weights_run_every_family_as_its_dequantized_weights(case: Any) -
     assert float((low - high).abs().max() / high.abs().max()) <= 1e-4
 
 
-def test_a_sliding_window_caps_the_context_to_the_window(tmp_path: Path) -> None:
-    """Inside its window a sliding-window model is exact; past it paged attention has no
-    windows yet, so the engine serves no longer sequence than the window."""
+def test_a_sliding_window_leaves_the_whole_context_served(tmp_path: Path) -> None:
+    """The window is applied in the paged attention, so it no longer caps the context."""
     from service.engine.config import EngineConfig
     from service.engine.engine import LLMEngine
 
     directory = make_tiny_family(tmp_path / "m", "mistral", SHAPE | {"sliding_window": 48})
     loaded = load_model(directory, torch.float32, CPU)
-    assert loaded.args.sliding_window == 48 and loaded.args.context_length == 48
+    assert loaded.args.layer_windows == (48, 48)
     engine = LLMEngine(
         EngineConfig(dtype="float32", device="cpu", max_model_len=512), loaded=loaded
     )
-    assert engine.max_model_len == 48
+    assert engine.max_model_len == 512
     engine.close()
