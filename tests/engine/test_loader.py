@@ -259,8 +259,10 @@ def test_missing_source_fails_clearly(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("architecture", "message"),
     [
-        ("gptneox", "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3"),
-        ("gemma3", "'gemma3' is served from its Hugging Face directory only"),
+        (
+            "gptneox",
+            "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma3",
+        ),
         ("phi3", "'phi3' is served from its Hugging Face directory only"),
     ],
 )

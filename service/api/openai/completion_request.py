@@ -47,7 +47,8 @@ def decode_completion_request(body: bytes, served: tuple[str, ...]) -> Completio
 def completion_prompt(
     req: CompletionRequest, tokenizer: TextTokenizer, limits: Limits
 ) -> list[int]:
-    """The prompt's token ids: a string tokenized as plain text, or the ids as given."""
+    """The prompt's token ids: a string tokenized as plain text (after BOS where the model
+    asks for one), or the ids as given."""
     prompt: str | int | list[str | int | list[int]] | list[int] = req.prompt
     if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
         if len(prompt) != 1:
@@ -61,7 +62,7 @@ def completion_prompt(
                 f"prompt has {len(prompt)} characters; at most {limits.max_message_chars}",
                 "prompt",
             )
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode_prompt(prompt)
     else:
         ids = [t for t in prompt if isinstance(t, int)]
         if len(ids) != len(prompt) or any(not 0 <= t < tokenizer.vocab_size for t in ids):

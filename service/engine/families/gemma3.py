@@ -1,8 +1,8 @@
 """Gemma 3 (text: 270M, 1B; `gemma3_text`): local and global layers, each kind with its own
 RoPE base, q/k norms, norms before and after each sublayer, a gated tanh-GELU MLP, embeddings
 scaled by sqrt(hidden), the attention scaled by `query_pre_attn_scalar`, and norms that scale
-by (1 + weight). The local layers slide a window; the context is capped to it for now
-(`ModelArgs.context_length`). The multimodal checkpoints (`gemma3`, 4B and up) are refused.
+by (1 + weight). The local layers slide a window (`ModelArgs.layer_windows`). The multimodal
+checkpoints (`gemma3`, 4B and up) are refused.
 """
 
 from __future__ import annotations
@@ -14,12 +14,26 @@ from torch import Tensor
 
 from service.engine.families.family import (
     Family,
+    GGUFFormat,
+    GGUFSource,
     TakeTensor,
+    TakeWeight,
     UnsupportedModelError,
+    gguf_args,
+    gguf_layer,
     hf_args,
     hf_llama_layer,
 )
 from service.engine.model import ModelArgs
+from service.engine.quant import Weight
+
+# What llama.cpp's converter leaves out of a gemma3 GGUF and llama.cpp itself assumes: every
+# sixth layer is global, the rest local with RoPE base 10,000.
+GGUF_LAYER_PATTERN = 6
+GGUF_LOCAL_ROPE_BASE = 10000.0
+# llama.cpp's one exception to the attention scale of 1 / sqrt(key_length): the 27B (62
+# layers) scales by 1 / sqrt(hidden / heads), as its query_pre_attn_scalar says.
+GGUF_27B_LAYERS = 62
 
 
 def _rope_base(rope: Mapping[str, Any], kind: str) -> float:
@@ -76,10 +90,40 @@ def gemma3_hf_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
     return ours
 
 
+def gemma3_gguf_args(gguf: GGUFSource) -> ModelArgs:
+    layers = int(gguf.field("block_count"))
+    hidden = int(gguf.field("embedding_length"))
+    heads = int(gguf.field("attention.head_count"))
+    head_dim = int(gguf.field("attention.key_length"))
+    pre_attention = hidden // heads if layers == GGUF_27B_LAYERS else head_dim
+    return gguf_args(
+        gguf,
+        qk_norm=True,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
+        embedding_scale=hidden**0.5,
+        attention_scale=pre_attention**-0.5,
+        local_rope_theta=GGUF_LOCAL_ROPE_BASE,
+        sliding_layers=tuple(
+            i for i in range(layers) if i % GGUF_LAYER_PATTERN < GGUF_LAYER_PATTERN - 1
+        ),
+        sliding_window=int(gguf.field("attention.sliding_window")),
+    )
+
+
+def gemma3_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
+    # Q and K rows as Hugging Face stores them; the norms already (1 + weight).
+    ours = gguf_layer(take, args)
+    ours["post_attn_norm.weight"] = take("post_attention_norm.weight")
+    ours["post_mlp_norm.weight"] = take("post_ffw_norm.weight")
+    return ours
+
+
 FAMILY = Family(
     name="gemma3",
     hf_model_types=("gemma3_text",),
     hf_args=gemma3_hf_args,
     hf_layer=gemma3_hf_layer,
+    gguf=GGUFFormat("gemma3", gemma3_gguf_args, gemma3_gguf_layer),
     hf_norm_offset=1.0,
 )
