@@ -32,7 +32,7 @@ from kernels.cpu.formats import Blocks, WeightType
 from service.engine.families import UnsupportedModelError, family_of_gguf, family_of_hf
 from service.engine.model import LlamaModel, ModelArgs
 from service.engine.quant import QUANTIZE_TO, PackedWeight, Weight
-from service.engine.tokenizer import Tokenizer
+from service.engine.tokenizer import Tokenizer, gguf_tokenizer_problem
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,13 @@ def check_model(source: str | Path | None) -> str:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        gguf_source = _GGUFSource(open_gguf(path))
+        reader = open_gguf(path)
+        gguf_source = _GGUFSource(reader)
         family = family_of_gguf(gguf_source.architecture)
         assert family.gguf is not None
         family.gguf.args(gguf_source)
+        if problem := gguf_tokenizer_problem(reader):
+            raise UnsupportedModelError(problem)
         return family.name
     config_path = path / "config.json"
     if not config_path.is_file():

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as Backend
 
 from service.engine.chat_templates import builtin_template
+from service.engine.families.family import UnsupportedModelError
 
 # Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
 # ChatML, Llama 3's turn and tool-call message ends, Mistral's, Gemma's, Phi-3's): stopping on
@@ -103,21 +104,15 @@ class Tokenizer:
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Rebuild the tokenizer llama.cpp's converter stored in the metadata: a byte-level BPE
         (`gpt2`) or Gemma's SentencePiece BPE (`llama`)."""
+        if problem := gguf_tokenizer_problem(reader):
+            raise UnsupportedModelError(problem)
         kind = _gguf_field(reader, "tokenizer.ggml.model")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type")
         architecture = _gguf_field(reader, "general.architecture", "")
-        if kind == "gpt2":
-            backend = _byte_level_bpe(reader, tokens)
-        elif kind == "llama" and architecture.startswith("gemma"):
-            backend = _gemma_sentencepiece(tokens)
-        elif kind == "llama":
-            raise ValueError(
-                f"unsupported GGUF tokenizer: SentencePiece for {architecture!r} (only Gemma's);"
-                " load the model from its Hugging Face directory instead"
-            )
-        else:
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (gpt2, or Gemma's llama)")
+        backend = (
+            _byte_level_bpe(reader, tokens) if kind == "gpt2" else _gemma_sentencepiece(tokens)
+        )
         # Control and user-defined tokens match whole in the text; not those the model spells
         # otherwise (Gemma's runs of spaces), which would be new ids past the vocabulary.
         kept = backend.get_vocab()
@@ -343,13 +338,30 @@ def gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"no pre-tokenizer {pre!r}")
 
 
+def gguf_tokenizer_problem(reader: gguf.GGUFReader) -> str | None:
+    """What keeps a GGUF's tokenizer from being rebuilt here, in one line; None: nothing.
+    Read from the metadata alone (`loader.check_model` asks before any weight is read)."""
+    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    architecture = _gguf_field(reader, "general.architecture", "")
+    instead = "; load the model from its Hugging Face directory instead"
+    if kind == "gpt2":
+        pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
+        return (
+            None
+            if pre in _GGUF_PRE_TOKENIZERS
+            else f"unsupported GGUF pre-tokenizer {pre!r}{instead}"
+        )
+    if kind == "llama":
+        if architecture.startswith("gemma"):
+            return None
+        return (
+            f"unsupported GGUF tokenizer: SentencePiece of {architecture!r} (Gemma's only){instead}"
+        )
+    return f"unsupported GGUF tokenizer model {kind!r} (only gpt2, and Gemma's llama){instead}"
+
+
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> Backend:
     pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
-    if pre not in _GGUF_PRE_TOKENIZERS:
-        raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; load the model from its Hugging Face "
-            "directory instead"
-        )
     merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = Backend(models.BPE(vocab=vocab, merges=[_merge_pair(m) for m in merges]))

@@ -232,3 +232,39 @@ def test_the_pre_tokenizers_part_ways_where_their_families_do() -> None:
     assert pieces("llama-bpe", "I'M here") == ["I", "'M", "Ġhere"]
     with pytest.raises(ValueError, match="no pre-tokenizer 'tekken'"):
         gguf_pre_tokenizer("tekken")
+
+
+@pytest.mark.parametrize(
+    ("architecture", "model", "pre", "message"),
+    [
+        ("llama", "llama", None, "SentencePiece of 'llama' \\(Gemma's only\\)"),
+        ("llama", "gpt2", "tekken", "unsupported GGUF pre-tokenizer 'tekken'"),
+        ("llama", "bert", None, "unsupported GGUF tokenizer model 'bert'"),
+    ],
+)
+def test_a_gguf_tokenizer_that_cannot_be_rebuilt_is_named_before_loading(
+    tmp_path: Path, architecture: str, model: str, pre: str | None, message: str
+) -> None:
+    """The one-line refusal comes from `check_model` (the CLI's and the server's preflight),
+    from the metadata alone, and from the tokenizer itself alike."""
+    import gguf
+
+    from service.engine.families import UnsupportedModelError
+    from service.engine.loader import check_model
+
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    for key, value in (("context_length", 64), ("embedding_length", 16), ("block_count", 1),
+                       ("feed_forward_length", 32), ("attention.head_count", 2),
+                       ("attention.layer_norm_rms_epsilon", 1e-5)):  # fmt: skip
+        kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else gguf.GGUFValueType.UINT32
+        writer.add_key_value(f"{architecture}.{key}", value, kind)
+    writer.add_token_list(["a", "b"])
+    finish(writer)
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_model(path)
+    with pytest.raises(UnsupportedModelError, match=message):
+        Tokenizer.from_gguf(open_gguf(path))
