@@ -293,15 +293,18 @@ def kv_bytes_per_token(model: Path) -> int:
     reader = open_gguf(model)
     arch = str(reader.get_field("general.architecture").contents())  # type: ignore[union-attr]
 
-    def field(key: str) -> int:
+    def field(key: str, default: int | None = None) -> int:
         value = reader.get_field(f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"{model.name} has no {arch}.{key}")
+            if default is None:
+                raise ValueError(f"{model.name} has no {arch}.{key}")
+            return default
         return int(value.contents())
 
     heads = field("attention.head_count")
     kv_heads = field("attention.head_count_kv")
-    head_dim = field("embedding_length") // heads
+    # Gemma's heads are wider than hidden / heads: key_length says so where it differs.
+    head_dim = field("attention.key_length", field("embedding_length") // heads)
     return field("block_count") * 2 * kv_heads * head_dim * 2
 
 

@@ -87,13 +87,28 @@ def windows(num_tokens: int, window: int, stride: int) -> list[Window]:
 
 class WindowAttention:
     """Causal self-attention over one window (the model's `LayerAttention`): every query sees
-    the window's keys up to its own position. No cache: each layer's K/V are its own call's."""
+    the window's keys up to its own position, and on a layer that slides a window (Gemma's
+    local layers, Mistral's) only the last `windows[layer]` of them. No cache: each layer's
+    K/V are its own call's."""
+
+    def __init__(self, windows: tuple[int | None, ...]) -> None:
+        self.windows = windows
+        self.masks: dict[tuple[int, int], Tensor] = {}
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, H, D], k/v: [T, KV, D] -> [T, H, D]
+        window, n = self.windows[layer], q.shape[0]
+        mask = None
+        if window is not None and window < n:
+            if (window, n) not in self.masks:
+                pos = torch.arange(n)
+                seen = pos[None, :] - pos[:, None]  # key - query
+                self.masks[window, n] = (seen <= 0) & (seen > -window)
+            mask = self.masks[window, n]
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-        )
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+        )  # fmt: skip
         return out.transpose(0, 1)
 
 
@@ -101,7 +116,8 @@ class WindowAttention:
 def window_logits(loaded: LoadedModel, ids: Tensor) -> Tensor:
     """[T] token ids of one window -> [T, vocab] fp32 logits, positions from 0."""
     model = loaded.model
-    hidden = model(ids, torch.arange(ids.shape[0]), WindowAttention())  # [T, hidden]
+    attention = WindowAttention(loaded.args.layer_windows)
+    hidden = model(ids, torch.arange(ids.shape[0]), attention)  # [T, hidden]
     return model.compute_logits(hidden)
 
 

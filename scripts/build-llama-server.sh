@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server (CPU only) into build/llama.cpp/ (git-ignored), for
-# benchmarks/peers.py. The sources are the llama.cpp vendored in the llama-cpp-python sdist on
+# Builds llama.cpp's llama-server and llama-perplexity (CPU only) into build/llama.cpp/
+# (git-ignored), for benchmarks/peers.py and benchmarks/perplexity.py --llama-perplexity. The sources are the llama.cpp vendored in the llama-cpp-python sdist on
 # the package index: a pinned release, fetched with pip, so no git remote is needed. The first
 # run takes ~4 minutes to fetch the sdist and ~10 CPU-minutes to compile (-j2: 5 minutes on two
 # quiet cores, 18 on a busy shared machine); a later run finds the binary and does nothing
@@ -16,7 +16,7 @@ root=build/llama.cpp
 binary=$root/bin/llama-server
 jobs=${JOBS:-2}
 
-if [ -x "$binary" ]; then
+if [ -x "$binary" ] && [ -x "$root/bin/llama-perplexity" ]; then
     echo "$binary"
     exit 0
 fi
@@ -39,9 +39,10 @@ cmake -S "$src" -B "$root/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$root/cmake.log" 2>&1 ||
     { tail -n 30 "$root/cmake.log" >&2; exit 1; }
-echo "building llama-server with -j$jobs (log: $root/build.log)" >&2
-cmake --build "$root/cmake" --target llama-server -j "$jobs" >"$root/build.log" 2>&1 ||
-    { tail -n 30 "$root/build.log" >&2; exit 1; }
+echo "building llama-server and llama-perplexity with -j$jobs (log: $root/build.log)" >&2
+cmake --build "$root/cmake" --target llama-server llama-perplexity -j "$jobs" \
+    >"$root/build.log" 2>&1 || { tail -n 30 "$root/build.log" >&2; exit 1; }
 mkdir -p "$root/bin"
 cp "$root/cmake/bin/llama-server" "$binary"
+cp "$root/cmake/bin/llama-perplexity" "$root/bin/llama-perplexity"
 echo "$binary"

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.llama_perplexity import chunks_of
 from benchmarks.perplexity import (
     TEXT,
     Window,
@@ -24,7 +25,13 @@ from benchmarks.perplexity import (
     windows,
 )
 from kernels.cpu import dispatch
-from tests.tiny_model import ContiguousAttention, make_tiny_llama
+from service.engine.loader import load_model
+from tests.tiny_model import (
+    ContiguousAttention,
+    PagedAttention,
+    make_tiny_family,
+    make_tiny_llama,
+)
 
 # The text as shipped (benchmarks/data/README.md): figures are comparable only over the same one.
 TEXT_SHA256 = "1c7f5bf63287214b28fd34b09f5b081de76910fbc73784f2689087f91cefa389"
@@ -92,6 +99,28 @@ def test_the_logits_of_a_window_are_the_models_own(tmp_path: Path) -> None:
     assert logits.shape == (12, loaded.args.vocab_size) and logits.dtype == torch.float32
     # Causal: the first 6 rows do not depend on the tokens after them.
     assert torch.allclose(window_logits(loaded, ids[:6]), logits[:6], atol=1e-5)
+
+
+def test_a_sliding_window_model_scores_through_its_windows(tmp_path: Path) -> None:
+    """Each layer's window as the engine applies it: the window's logits are those of the
+    paged cache's attention (tests/tiny_model.PagedAttention) over the same tokens."""
+    shape = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=5,
+    )  # fmt: skip
+    directory = make_tiny_family(tmp_path / "m", "mistral", shape)
+    loaded = load_model(directory, torch.float32, torch.device("cpu"))
+    ids = text_tokens(loaded, TEXT, 24)
+    model = loaded.model
+    with torch.inference_mode():
+        paged = model.compute_logits(model(ids, torch.arange(24), PagedAttention(loaded.args)))
+    assert torch.allclose(window_logits(loaded, ids), paged, atol=1e-4)
+
+
+def test_llama_perplexitys_chunks_start_with_bos_and_drop_the_tail() -> None:
+    ids = list(range(10, 33))  # 23 tokens
+    assert chunks_of(ids, 8, 1, None) == [[1, *range(11, 18)], [1, *range(19, 26)]]
+    assert chunks_of(ids, 8, None, 1) == [list(range(10, 18))]
 
 
 @pytest.mark.real_model
