@@ -103,16 +103,24 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Rebuild the tokenizer llama.cpp's converter stored in the metadata: a byte-level BPE
-        (`gpt2`) or Gemma's SentencePiece BPE (`llama`)."""
+        (`gpt2`: Llama 3, Qwen, SmolLM) or a SentencePiece BPE (`llama`: Gemma's, and Llama 2's,
+        Mistral's and Phi-3's)."""
         if problem := gguf_tokenizer_problem(reader):
             raise UnsupportedModelError(problem)
         kind = _gguf_field(reader, "tokenizer.ggml.model")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type")
         architecture = _gguf_field(reader, "general.architecture", "")
-        backend = (
-            _byte_level_bpe(reader, tokens) if kind == "gpt2" else _gemma_sentencepiece(tokens)
-        )
+        if kind == "gpt2":
+            backend = _byte_level_bpe(reader, tokens)
+        elif architecture.startswith("gemma"):
+            backend = _gemma_sentencepiece(tokens)
+        else:
+            backend = _sentencepiece(
+                tokens,
+                _gguf_field(reader, "tokenizer.ggml.scores"),
+                prefix_space=bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+            )
         # Control and user-defined tokens match whole in the text; not those the model spells
         # otherwise (Gemma's runs of spaces), which would be new ids past the vocabulary.
         kept = backend.get_vocab()
@@ -342,7 +350,6 @@ def gguf_tokenizer_problem(reader: gguf.GGUFReader) -> str | None:
     """What keeps a GGUF's tokenizer from being rebuilt here, in one line; None: nothing.
     Read from the metadata alone (`loader.check_model` asks before any weight is read)."""
     kind = _gguf_field(reader, "tokenizer.ggml.model")
-    architecture = _gguf_field(reader, "general.architecture", "")
     instead = "; load the model from its Hugging Face directory instead"
     if kind == "gpt2":
         pre = _gguf_field(reader, "tokenizer.ggml.pre", "gpt-2")
@@ -352,12 +359,8 @@ def gguf_tokenizer_problem(reader: gguf.GGUFReader) -> str | None:
             else f"unsupported GGUF pre-tokenizer {pre!r}{instead}"
         )
     if kind == "llama":
-        if architecture.startswith("gemma"):
-            return None
-        return (
-            f"unsupported GGUF tokenizer: SentencePiece of {architecture!r} (Gemma's only){instead}"
-        )
-    return f"unsupported GGUF tokenizer model {kind!r} (only gpt2, and Gemma's llama){instead}"
+        return None
+    return f"unsupported GGUF tokenizer model {kind!r} (only gpt2 and llama){instead}"
 
 
 def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> Backend:
@@ -378,21 +381,54 @@ def _gemma_sentencepiece(tokens: list[str]) -> Backend:
     spaces, which the normalizer has turned into "▁" before the model sees them."""
     spelled = [_SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {tok: i for i, tok in enumerate(spelled)}
-    merges: list[tuple[str, str]] = []
-    for token in spelled:
-        # Every split of the token into two pieces of the vocabulary, longest left first.
-        for cut in range(len(token) - 1, 0, -1):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                merges.append((left, right))
     backend = Backend(
-        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
-    )
+        models.BPE(
+            vocab=vocab, merges=_merges(spelled, range(0, -len(spelled), -1)), unk_token="<unk>",
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )  # fmt: skip
     backend.normalizer = normalizers.Replace(" ", _SPACE_PIECE)
     backend.decoder = decoders.Sequence(
         [decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return backend
+
+
+def _sentencepiece(tokens: list[str], scores: list[float], *, prefix_space: bool) -> Backend:
+    """Llama 2's, Mistral's and Phi-3's SentencePiece BPE: spaces as "▁", a space before
+    the text where the file says so (`add_space_prefix`), bytes for what the vocabulary lacks;
+    a token that is two pieces of the vocabulary merges them, higher-scored tokens first."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Backend(
+        models.BPE(
+            vocab=vocab, merges=_merges(tokens, scores), unk_token="<unk>",
+            fuse_unk=True, byte_fallback=True,
+        )
+    )  # fmt: skip
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE_PIECE, prepend_scheme="first" if prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE's merges, best first: each token that is two pieces of the
+    vocabulary merges them, higher-scored tokens first, then longer left pieces (transformers'
+    order, so that both rebuild the same tokenizer from one file)."""
+    vocab = set(tokens)
+    found: list[tuple[float, int, int, int, str, str]] = []
+    for order, (token, score) in enumerate(zip(tokens, scores, strict=True)):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -len(left), -len(right), order, left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
 
 
 def _end_marker_ids(backend: Backend) -> list[int]:

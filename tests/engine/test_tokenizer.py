@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as Backend
 
 from service.engine.loader import open_gguf
 from service.engine.tokenizer import Tokenizer, gguf_pre_tokenizer
-from tests.gguf_files import add_bundled_tokenizer, finish
+from tests.gguf_files import add_bundled_tokenizer, finish, gemma3_270m
 from tests.tiny_model import gguf_tokenizer
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
@@ -237,9 +237,8 @@ def test_the_pre_tokenizers_part_ways_where_their_families_do() -> None:
 @pytest.mark.parametrize(
     ("architecture", "model", "pre", "message"),
     [
-        ("llama", "llama", None, "SentencePiece of 'llama' \\(Gemma's only\\)"),
         ("llama", "gpt2", "tekken", "unsupported GGUF pre-tokenizer 'tekken'"),
-        ("llama", "bert", None, "unsupported GGUF tokenizer model 'bert'"),
+        ("llama", "bert", None, "tokenizer model 'bert' \\(only gpt2 and llama\\)"),
     ],
 )
 def test_a_gguf_tokenizer_that_cannot_be_rebuilt_is_named_before_loading(
@@ -268,3 +267,47 @@ def test_a_gguf_tokenizer_that_cannot_be_rebuilt_is_named_before_loading(
         check_model(path)
     with pytest.raises(UnsupportedModelError, match=message):
         Tokenizer.from_gguf(open_gguf(path))
+
+
+SENTENCEPIECE_PROBES = [
+    "Hello world",
+    " leading space and  two  spaces",
+    "def f(x):\n\treturn x**2\n\n",
+    "naïve café — ¿qué? 東京 😀",
+    "a <b>bold</b> tag, 12345 and 3.14",
+]
+
+
+def test_a_llama_style_sentencepiece_gguf_encodes_as_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    """Llama 2's, Mistral's and Phi-3's GGUF tokenizers (`llama`, merges ranked by score, a
+    space before the text): one written from the real Gemma 3 file's first 30,000 tokens
+    (control tokens, the 256 bytes, common pieces) under the `llama` architecture, with scores
+    that rank the pieces, encodes and decodes as transformers' GGUF reader does."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    source = open_gguf(gemma3_270m())
+    count = 30000
+    tokens = source.get_field("tokenizer.ggml.tokens").contents()[:count]  # type: ignore[union-attr]
+    types = source.get_field("tokenizer.ggml.token_type").contents()[:count]  # type: ignore[union-attr]
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(count)])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_add_space_prefix(True)
+    finish(writer)
+    ours = Tokenizer.from_gguf(open_gguf(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SENTENCEPIECE_PROBES:
+        ids = ours.encode_prompt(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True
+        ), text
