@@ -51,15 +51,19 @@ _LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
     **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+    # Phi-3's fusions, kept whole by the converter: `ffn_up` holds [gate; up].
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }  # fmt: skip
 
 
 def write_gguf_from_hf(
     directory: Path, path: Path, architecture: str, *, rope_freqs: tuple[float, ...] | None = None
 ) -> Path:
-    """The Hugging Face model in `directory` (Llama-shaped names) as a GGUF of `architecture`
-    with fp32 tensors, written as llama.cpp's converter writes it: a llama's Q and K rows
-    interleaved per head, Llama 3's RoPE scaling as `rope_freqs`, the bundled tokenizer."""
+    """The Hugging Face model in `directory` (Llama-shaped names, or Phi-3's fused ones) as a
+    GGUF of `architecture` with fp32 tensors, written as llama.cpp's converter writes it: a
+    llama's Q and K rows interleaved per head, Llama 3's RoPE scaling as `rope_freqs`, the
+    sliding window, the bundled tokenizer."""
     config = json.loads((directory / "config.json").read_text())
     weights = {
         k.removeprefix("model."): v.numpy()
@@ -80,6 +84,8 @@ def write_gguf_from_hf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     add_bundled_tokenizer(writer)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))

@@ -261,9 +261,9 @@ def test_missing_source_fails_clearly(tmp_path: Path) -> None:
     [
         (
             "gptneox",
-            "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma3",
+            "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, phi3, gemma3",
         ),
-        ("phi3", "'phi3' is served from its Hugging Face directory only"),
+        ("mistral", "'mistral' is served from its Hugging Face directory only"),
     ],
 )
 def test_gguf_of_another_architecture_is_unsupported(

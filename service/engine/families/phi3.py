@@ -2,7 +2,8 @@
 layout already) and gate and up in one (`gate_up_proj`, [gate; up] as ours).
 
 Its 4k-context checkpoints slide a 2,047-key window on every layer; the 128k ones' `longrope`
-scaling is refused by name.
+scaling is refused by name. Its GGUF files keep both fusions (`attn_qkv`, and `ffn_up` holding
+gate and up).
 """
 
 from __future__ import annotations
@@ -12,8 +13,19 @@ from typing import Any
 
 from torch import Tensor
 
-from service.engine.families.family import Family, TakeTensor, hf_args, hf_sliding_window
+from service.engine.families.family import (
+    Family,
+    GGUFFormat,
+    GGUFSource,
+    TakeTensor,
+    TakeWeight,
+    UnsupportedModelError,
+    gguf_args,
+    hf_args,
+    hf_sliding_window,
+)
 from service.engine.model import ModelArgs
+from service.engine.quant import Weight
 
 
 def phi3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
@@ -31,9 +43,29 @@ def phi3_hf_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
     }
 
 
+def phi3_gguf_args(gguf: GGUFSource) -> ModelArgs:
+    if gguf.has_tensor("rope_factors_long.weight"):
+        raise UnsupportedModelError("Phi-3's longrope scaling (rope_factors_long) is not supported")
+    window = int(gguf.field("attention.sliding_window", 0))
+    return gguf_args(gguf, sliding_window=window or None)
+
+
+def phi3_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
+    # llama.cpp keeps both fusions as Hugging Face has them: `ffn_up` is [gate; up].
+    return {
+        "attn_norm.weight": take("attn_norm.weight"),
+        "attn.qkv.weight": take("attn_qkv.weight"),
+        "attn.o_proj.weight": take("attn_output.weight"),
+        "mlp_norm.weight": take("ffn_norm.weight"),
+        "mlp.gate_up.weight": take("ffn_up.weight"),
+        "mlp.down.weight": take("ffn_down.weight"),
+    }
+
+
 FAMILY = Family(
     name="phi3",
     hf_model_types=("phi3",),
     hf_args=phi3_hf_args,
     hf_layer=phi3_hf_layer,
+    gguf=GGUFFormat("phi3", phi3_gguf_args, phi3_gguf_layer),
 )

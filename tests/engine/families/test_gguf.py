@@ -33,8 +33,9 @@ def _logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
         ("qwen2", {"tie_word_embeddings": True}),
         ("qwen3", {}),
         ("qwen3", {"attention_bias": True}),
+        ("phi3", {"sliding_window": 27}),
     ],
-    ids=["llama3-rope", "qwen2", "qwen3", "qwen3-bias"],
+    ids=["llama3-rope", "qwen2", "qwen3", "qwen3-bias", "phi3"],
 )
 @torch.inference_mode()
 def test_a_gguf_is_the_same_model_as_its_hugging_face_directory(
