@@ -58,6 +58,13 @@ class UserParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stop: list[str] = msgspec.field(default_factory=list)
     ignore_eos: bool = False  # keep generating past the end of the turn (benchmarks)
     logprobs: int | None = None  # top log-probabilities per token, 0..20
+    # Against loops (OpenAI's and vLLM's meanings): presence and frequency over the answer's
+    # tokens, in [-2, 2]; repetition over the prompt's and the answer's, in (0, 2], 1 none.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
+    min_tokens: int = 0  # no end of turn or stop string before this many tokens
 
 
 class _ClientFrame(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):

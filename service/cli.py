@@ -47,6 +47,19 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="(0, 2], 1 none: a seen token's positive logit divided by it, a negative one"
+        " multiplied (1.3 stops the bundled model's loops)",
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="[-2, 2]: per time a token came"
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="[-2, 2]: once a token has come"
+    )
     parser.add_argument("--system", default=None, help="system prompt")
 
 
@@ -54,12 +67,19 @@ def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
     from service.server.options import values
 
     config = EngineConfig(**values(args, "engine", only=CLI_ENGINE_FIELDS))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            repetition_penalty=args.repetition_penalty,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+        )
+    except ValueError as exc:  # before the model loads: one line and status 2, as argparse
+        sys.stderr.write(f"pagechat {args.command}: {exc}\n")
+        raise SystemExit(2) from None
     return LLMEngine(config), params
 
 

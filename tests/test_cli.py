@@ -125,3 +125,13 @@ def test_a_missing_model_file_is_refused_in_one_line(
 ) -> None:
     assert cli.main(["generate", "--model", str(tmp_path / "none.gguf"), "hi"]) == 2
     assert capsys.readouterr().err == f"pagechat generate: no GGUF file at {tmp_path}/none.gguf\n"
+
+
+def test_a_penalty_out_of_range_is_refused_in_one_line_before_loading(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "--repetition-penalty", "3", "--model", "/no/such.gguf", "hi"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "pagechat generate: repetition_penalty must be in (0, 2] (1 is none)\n"

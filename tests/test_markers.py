@@ -69,6 +69,8 @@ IN_PROCESS = {
         "cli.main with an unusable model: serve refuses it before it builds a server",
     "tests.test_cli.test_a_missing_model_file_is_refused_in_one_line":
         "cli.main for `generate`: only `serve` starts a Redis",
+    "tests.test_cli.test_a_penalty_out_of_range_is_refused_in_one_line_before_loading":
+        "cli.main for `generate`: only `serve` starts a Redis",
 }  # fmt: skip
 
 

@@ -43,6 +43,11 @@ def sampling_params(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     logit_bias: tuple[tuple[int, float], ...] = (),
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    min_tokens: int = 0,
 ) -> SamplingParams:
     """An explicit max_tokens is refused under 1 (0 is no answer at all, never "the default":
     leaving it out is), over the limit, or (given `room`) past what the context holds; the
@@ -74,6 +79,11 @@ def sampling_params(
             ignore_eos=ignore_eos,
             logprobs=logprobs,
             logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_p=min_p,
+            min_tokens=min_tokens,
         )
     except ValueError as exc:
         raise SamplingError(str(exc), _field_named(str(exc))) from None

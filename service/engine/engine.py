@@ -367,13 +367,26 @@ class LLMEngine:
                 outputs.append(self._finish_prefill_only(chunk.seq))
                 continue
             for seq in self._samples_of(chunk.seq):
-                rows.append(SamplingRow(seq.params, seq.generator))
+                rows.append(self._sampling_row(seq))
                 row_seqs.append(seq)
                 logit_rows.append(i)
         if rows and logit_rows != list(range(len(sampling))):
             logits = logits[torch.tensor(logit_rows, dtype=torch.int64, device=logits.device)]
         sampled = self.sampler(logits, rows) if rows else []
         return outputs, list(zip(row_seqs, sampled, strict=True))
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        blocked: frozenset[int] = frozenset()
+        if seq.num_output_tokens < params.min_tokens:  # min_tokens: no stop token yet
+            blocked = self._requests[seq.request_id].stop_checkers[seq.sample_index].stop_ids
+        return SamplingRow(
+            params,
+            seq.generator,
+            token_ids=seq.token_ids if params.penalized else (),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            blocked=blocked,
+        )
 
     def _append_tokens(self, samples: list[tuple[Sequence, SampledToken]]) -> list[RequestOutput]:
         """Each sampled token appended, turned into text and checked for a stop."""

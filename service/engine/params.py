@@ -30,6 +30,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # (token id, bias) pairs added to the logits before any choice (OpenAI's logit_bias);
     # log-probabilities are reported without them, as vLLM reports raw ones.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties on the answer's tokens so far: minus presence_penalty for a token
+    # that has appeared, minus frequency_penalty per time it has. vLLM's repetition_penalty
+    # over the prompt's and the answer's tokens: a positive logit divided by it, a negative one
+    # multiplied. Each keeps an answer from looping; log-probabilities are reported without.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # vLLM's: drop tokens less likely than min_p times the likeliest (after temperature), and
+    # let no stop token or stop string end the answer before min_tokens tokens.
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -56,7 +67,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         for token, bias in self.logit_bias:
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2] (1 is none)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in 0..max_tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty reads the tokens so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

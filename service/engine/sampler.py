@@ -1,4 +1,5 @@
-"""Batched sampling: logit bias, greedy, temperature, top-k, top-p, per-request seeds,
+"""Batched sampling: logit bias, penalties (presence, frequency, repetition), tokens held back
+until min_tokens, greedy, temperature, top-k, top-p, min-p, per-request seeds,
 log-probabilities.
 
 One pass over the batch with tensor ops and a single device-to-host copy of the chosen ids.
@@ -8,6 +9,7 @@ so a row with its own seed only needs its own noise vector, not its own sampling
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,10 @@ from service.engine.params import SamplingParams
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # per-request seed; None: the engine's generator
+    # The sample's tokens so far (prompt, then answer), where a penalty reads them.
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+    blocked: frozenset[int] = frozenset()  # ids it may not pick now (stop ids, min_tokens)
 
 
 @dataclass(slots=True)
@@ -42,6 +48,10 @@ class Sampler:
         raw = logits  # what log-probabilities are reported from
         if any(r.params.logit_bias for r in rows):
             logits = _with_logit_bias(logits, rows)
+        if any(r.params.penalized for r in rows):
+            logits = _with_penalties(logits, rows)
+        if any(r.blocked for r in rows):
+            logits = _without_blocked(logits, rows)
         chosen = logits.argmax(dim=-1)  # [S] greedy for all; random rows overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -62,6 +72,10 @@ class Sampler:
         if any(top_ks) or any(p < 1.0 for p in top_ps):
             logits = _top_k_top_p(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)  # [R, V]
+        if any(r.params.min_p > 0.0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=probs.device)
+            floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)  # the likeliest always stays
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
@@ -116,6 +130,65 @@ def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     )
     values = torch.tensor(biases, device=logits.device, dtype=logits.dtype)
     return logits.index_put(index, values, accumulate=True)  # [S, V], a new tensor
+
+
+def _with_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with each penalized row's penalties applied, as vLLM applies them:
+    repetition over every token seen (prompt and answer), then frequency and presence over
+    the answer's. One scatter counts the answers' tokens for all the rows together."""
+    picked = [i for i, r in enumerate(rows) if r.params.penalized]
+    device, vocab = logits.device, logits.shape[1]
+    answer_rows: list[int] = []
+    answer_ids: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_ids: list[int] = []
+    for j, i in enumerate(picked):
+        r = rows[i]
+        answer = [t for t in r.token_ids[r.num_prompt_tokens :] if t < vocab]
+        answer_rows += [j] * len(answer)
+        answer_ids += answer
+        if r.params.repetition_penalty != 1.0:
+            prompt = [t for t in r.token_ids[: r.num_prompt_tokens] if t < vocab]
+            prompt_rows += [j] * len(prompt)
+            prompt_ids += prompt
+    sub = logits[torch.tensor(picked, device=device)]  # [P, V], a copy
+    counts = torch.zeros_like(sub)
+    if answer_ids:
+        index = (torch.tensor(answer_rows, device=device), torch.tensor(answer_ids, device=device))
+        counts.index_put_(index, torch.ones(len(answer_ids), device=device), accumulate=True)
+    seen = counts > 0
+    if prompt_ids:
+        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_ids, device=device)] = (
+            True
+        )
+
+    def column(name: str) -> torch.Tensor:
+        values = [getattr(rows[i].params, name) for i in picked]
+        return torch.tensor(values, device=device, dtype=sub.dtype)[:, None]  # [P, 1]
+
+    repetition = column("repetition_penalty")
+    repeated = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, repeated, sub)
+    present = (counts > 0).to(sub.dtype)
+    sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * present
+    out = logits.clone()
+    out[torch.tensor(picked, device=device)] = sub
+    return out
+
+
+def _without_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with each row's blocked ids at -inf (its stop ids before
+    min_tokens)."""
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, r in enumerate(rows) for t in r.blocked if t < vocab]
+    out = logits.clone()
+    if pairs:
+        row_ids, token_ids = zip(*pairs, strict=True)
+        out[
+            torch.tensor(row_ids, device=logits.device),
+            torch.tensor(token_ids, device=logits.device),
+        ] = float("-inf")
+    return out
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -18,7 +18,8 @@ class StopChecker:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(tokenizer.eos_token_ids)
-        self._stop_ids = frozenset(stop_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self._min_tokens = params.min_tokens
         self._stops = params.stop
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._max_tokens = params.max_tokens
@@ -32,10 +33,11 @@ class StopChecker:
 
     def push(self, token_id: int, num_output_tokens: int) -> tuple[str, FinishReason | None]:
         """Take the newest token; return the text now safe to emit and why it stopped, if so."""
-        if token_id in self._stop_ids:
+        early = num_output_tokens < self._min_tokens  # no stop yet (the sampler masks ids)
+        if token_id in self.stop_ids and not early:
             return self.flush(), FinishReason.STOP
         self._text += self._detokenizer.push(token_id)
-        for stop in self._stops:
+        for stop in () if early else self._stops:
             at = self._text.find(stop, max(0, self._emitted - self._hold))
             if at >= 0:
                 self._text = self._text[:at]

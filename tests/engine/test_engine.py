@@ -192,6 +192,23 @@ def test_max_tokens_and_stop_token_ids_end_a_request(make_engine: EngineFactory)
     assert stopped.token_ids == first.token_ids[:3] and stopped.finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(make_engine: EngineFactory) -> None:
+    """Before min_tokens the sampler may not pick a stop token (the next likeliest comes
+    instead) and no stop string ends the answer; after it both stop as usual."""
+    engine = make_engine()
+    prompt = random_prompts(1, seed=12, lengths=(10, 10))["r0"]
+    free = run(engine, {"a": prompt}, greedy(6))["a"]
+    stop_at = free.token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_at,), min_tokens=3)
+    held = run(engine, {"b": prompt}, params)["b"]
+    assert stop_at not in held.token_ids[:3] and len(held.token_ids) >= 3
+    assert held.finish_reason == "length" or held.token_ids[-1] == stop_at
+    text = engine.tokenizer.decode(free.token_ids)
+    by_string = SamplingParams(temperature=0.0, max_tokens=6, stop=(text[:1],), min_tokens=4)
+    late = run(engine, {"c": prompt}, by_string)["c"]
+    assert len(late.token_ids) >= 4
+
+
 def test_abort_releases_every_block(make_engine: EngineFactory) -> None:
     engine = make_engine()
     for rid, prompt in random_prompts(4, seed=13, lengths=(30, 60)).items():

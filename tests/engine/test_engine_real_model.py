@@ -98,3 +98,26 @@ def test_the_default_gives_the_dequantized_fp32_models_greedy_answers_on_every_v
     assert "Paris" in answers["france"].text
     assert not default.has_unfinished_requests()
     default.check_balanced()
+
+
+def _repeated_trigrams(ids: list[int]) -> int:
+    trigrams = [tuple(ids[i : i + 3]) for i in range(len(ids) - 2)]
+    return len(trigrams) - len(set(trigrams))
+
+
+def test_penalties_stop_the_default_model_looping(engine: LLMEngine) -> None:
+    """Greedy, the bundled model's poem comes back to its refrain ("Abe a sea of dreams") again
+    and again; a frequency penalty of 0.5 halves the repeated trigrams, a repetition penalty of
+    1.3 leaves none."""
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a poem about the sea."}]
+    )
+
+    def repeats(**penalty: float) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, **penalty)  # type: ignore[arg-type]
+        return _repeated_trigrams(run(engine, {"poem": prompt}, params)["poem"].token_ids)
+
+    free = repeats()
+    assert free >= 30
+    assert repeats(frequency_penalty=0.5) <= free // 2
+    assert repeats(repetition_penalty=1.3) <= 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.engine.params import SamplingParams
-from service.engine.sampler import Sampler, SamplingRow, _top_k_top_p
+from service.engine.sampler import Sampler, SamplingRow, _top_k_top_p, _with_penalties
 
 V = 8
 
@@ -106,3 +106,67 @@ def test_random_draws_never_leave_the_mask(sampler: Sampler) -> None:
     }
     assert drawn <= {1, 3, 6}
     assert 1 in drawn  # a temperature of 2 reaches past the top token
+
+
+def seen(params: dict[str, object], prompt: list[int], answer: list[int]) -> SamplingRow:
+    return SamplingRow(
+        SamplingParams(**params),  # type: ignore[arg-type]
+        None,
+        token_ids=[*prompt, *answer],
+        num_prompt_tokens=len(prompt),
+    )
+
+
+def test_penalties_apply_per_row_as_openai_and_vllm_define_them() -> None:
+    x = logits([2.0, -2.0, 1.0, 0.5, 0, 0, 0, 0], [2.0, -2.0, 1.0, 0.5, 0, 0, 0, 0])
+    rows = [
+        # presence 0.5 and frequency 0.25 over the answer (2, 2, 3); the prompt's 0 untouched
+        seen({"presence_penalty": 0.5, "frequency_penalty": 0.25}, [0], [2, 2, 3]),
+        # repetition 2 over prompt and answer: a positive logit halved, a negative doubled
+        seen({"repetition_penalty": 2.0}, [0, 1], [3]),
+    ]
+    out = _with_penalties(x, rows)
+    assert out[0].tolist() == pytest.approx(
+        [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 0, 0, 0, 0]
+    )
+    assert out[1].tolist() == pytest.approx([1.0, -4.0, 1.0, 0.25, 0, 0, 0, 0])
+    assert x[0, 2] == 1.0  # the input is left alone
+
+
+def test_an_unpenalized_row_in_a_penalized_batch_is_untouched(sampler: Sampler) -> None:
+    x = logits([3.0, 2.9] + [0.0] * (V - 2), [3.0, 2.9] + [0.0] * (V - 2))
+    rows = [seen({"temperature": 0, "frequency_penalty": 1.0}, [], [0]), row(temperature=0)]
+    assert [t.token_id for t in sampler(x, rows)] == [1, 0]
+
+
+def test_blocked_ids_are_never_picked_greedy_or_random(sampler: Sampler) -> None:
+    x = logits(*[[9.0, 1.0] + [-50.0] * (V - 2)] * 2)
+    blocked = frozenset({0})
+    rows = [
+        SamplingRow(SamplingParams(temperature=0), None, blocked=blocked),
+        SamplingRow(SamplingParams(temperature=1.0, seed=3), None, blocked=blocked),
+    ]
+    for _ in range(20):
+        assert [t.token_id for t in sampler(x, rows)] == [1, 1]
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest(sampler: Sampler) -> None:
+    # probabilities ~0.46, 0.31, 0.17, ...: min_p 0.5 keeps the first two only
+    x = logits([2.0, 1.6, 1.0] + [-1.0] * (V - 3))
+    picks = {t.token_id for _ in range(200) for t in sampler(x, [row(temperature=1.0, min_p=0.5)])}
+    assert picks == {0, 1}
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"presence_penalty": 2.1}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ],
+)
+def test_penalties_are_validated(params: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params)  # type: ignore[arg-type]

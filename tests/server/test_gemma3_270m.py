@@ -76,16 +76,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_file: Path) -> Iterat
         yield server
 
 
-def test_the_tokenizer_encodes_as_transformers_reads_the_file(
-    ours: Tokenizer, reference: tuple[Any, Any]
-) -> None:
-    _, theirs = reference
-    for text in TEXTS:
-        assert ours.encode_prompt(text) == theirs(text)["input_ids"], text
-        assert ours.decode(ours.encode(text)) == text
-    assert ours.vocab_size == theirs.vocab_size == 262144
-
-
 def _completion(server: ServerProcess, prompt: str) -> dict[str, Any]:
     status, models = server.get("/v1/models")
     assert status == 200, models
@@ -102,10 +92,14 @@ def _completion(server: ServerProcess, prompt: str) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def test_greedy_completions_equal_transformers_on_the_same_file(
-    server: ServerProcess, reference: tuple[Any, Any]
+def test_the_tokenizer_and_greedy_completions_equal_transformers_on_the_same_file(
+    server: ServerProcess, reference: tuple[Any, Any], ours: Tokenizer
 ) -> None:
     model, tokenizer = reference
+    for text in TEXTS:
+        assert ours.encode_prompt(text) == tokenizer(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == text
+    assert ours.vocab_size == tokenizer.vocab_size == 262144
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)

@@ -14,11 +14,6 @@ from service.engine.params import SamplingParams
 
 # Fields accepted at the value this server always behaves as, refused at any other.
 NEUTRAL = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
-    "min_tokens": 0,
-    "min_p": 0,
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
@@ -26,7 +21,7 @@ NEUTRAL = {
 
 
 def refuse_penalties(req: SamplingFields) -> None:
-    """Penalties, min_tokens and vLLM's detokenizing options: neutral values only."""
+    """vLLM's detokenizing options: neutral values only."""
     for name, default in NEUTRAL.items():
         value = getattr(req, name)
         if value is not None and value != default:
@@ -65,12 +60,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Ignored: they change nothing an answer holds.
     user: str | None = None
     request_id: str | None = None  # vLLM's
-    # Accepted at their neutral values only (NEUTRAL).
+    # OpenAI's penalties, and vLLM's repetition_penalty, min_tokens and min_p: honoured.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; 1 is neutral
-    min_tokens: int | None = None  # vLLM's, as are the four below
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     min_p: float | None = None
+    # Accepted at their neutral values only (NEUTRAL).
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -131,6 +127,11 @@ def engine_params(
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
             logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens or 0,
         )
     except SamplingError as exc:
         if exc.kind is SamplingErrorKind.CONTEXT:

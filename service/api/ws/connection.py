@@ -354,6 +354,11 @@ class ChatConnection:
                 stop=tuple(asked.stop),
                 ignore_eos=asked.ignore_eos,
                 logprobs=asked.logprobs,
+                presence_penalty=asked.presence_penalty,
+                frequency_penalty=asked.frequency_penalty,
+                repetition_penalty=asked.repetition_penalty,
+                min_p=asked.min_p,
+                min_tokens=asked.min_tokens,
             )
         except SamplingError as exc:
             over = exc.kind is SamplingErrorKind.OVER_LIMIT

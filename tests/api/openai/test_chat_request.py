@@ -146,10 +146,6 @@ def test_logprobs_top_k_ignore_eos_and_stop_token_ids_reach_the_engine() -> None
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", None),
         ({"modalities": ["text", "audio"]}, "modalities", None),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction", None),
-        ({"frequency_penalty": 1}, "frequency_penalty", "unsupported_value"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_value"),
-        ({"min_tokens": 3}, "min_tokens", "unsupported_value"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
         ({"no_such_field": 1}, "no_such_field", "bad_request"),
@@ -225,9 +221,38 @@ def test_vllms_continue_final_message_and_add_generation_prompt_are_honoured(
     assert both.param == "continue_final_message"
 
 
+def test_penalties_min_p_and_min_tokens_reach_the_engine() -> None:
+    got = params(
+        decode(
+            presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.05,
+            min_tokens=3,
+        )
+    )  # fmt: skip
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1, 1.2)
+    assert (got.min_p, got.min_tokens) == (0.05, 3)
+    neutral = params(decode(presence_penalty=0, repetition_penalty=1, min_p=0, min_tokens=0))
+    assert neutral == params(decode()) and not neutral.penalized
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("min_tokens", 10_000),  # more than max_tokens
+    ],
+)
+def test_penalties_out_of_range_are_refused_by_name(field: str, value: float) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        params(decode(**{field: value}))
+    assert (caught.value.param, caught.value.code) == (field, "invalid_value")
+
+
 def test_vllms_detokenizing_options_are_accepted_at_what_the_server_does() -> None:
     req = decode(
-        min_p=0,
         include_stop_str_in_output=False,
         skip_special_tokens=True,
         spaces_between_special_tokens=True,
@@ -236,7 +261,6 @@ def test_vllms_detokenizing_options_are_accepted_at_what_the_server_does() -> No
     )
     assert params(req) == params(decode())
     for name, value in [
-        ("min_p", 0.1),
         ("include_stop_str_in_output", True),
         ("skip_special_tokens", False),
         ("chat_template_kwargs", {"enable_thinking": True}),

@@ -70,7 +70,6 @@ def test_prompts_that_cannot_be_served_are_refused(body: dict[str, Any], param: 
         ({"suffix": "end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 21}, "logprobs"),
-        ({"presence_penalty": 1}, "presence_penalty"),
         ({"model": "other"}, "model"),
         ({"messages": []}, "messages"),
     ],

@@ -226,9 +226,9 @@ def test_vllms_sampling_fields_go_through_extra_body(client: openai.OpenAI) -> N
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+        ({"extra_body": {"min_p": 2}}, "min_p"),
         ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,

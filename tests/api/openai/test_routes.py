@@ -295,7 +295,7 @@ def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
         ({"messages": FRANCE, "model": "gpt-4o"}, 404, "model_not_found"),
         ({"messages": FRANCE, "max_tokens": 129}, 400, "invalid_value"),
         ({"messages": FRANCE, "temperature": -1}, 400, "invalid_value"),
-        ({"messages": FRANCE, "presence_penalty": 0.5}, 400, "unsupported_value"),
+        ({"messages": FRANCE, "presence_penalty": 2.5}, 400, "invalid_value"),
         (
             {"messages": FRANCE, "response_format": {"type": "json_object"}},
             400,

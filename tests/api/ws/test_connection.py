@@ -154,6 +154,23 @@ def test_frames_out_of_turn_are_refused_and_the_connection_goes_on(app: App) -> 
         assert answer(ws)[0] == ANSWER
 
 
+def test_a_user_frames_penalties_reach_the_engine_and_bad_ones_are_refused(app: App) -> None:
+    penalties = {
+        "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.3,
+        "min_p": 0.05, "min_tokens": 2,
+    }  # fmt: skip
+    with app.connect() as ws:
+        ws.send_json({"type": "open"})
+        assert ws.receive_json()["type"] == "session"
+        for bad in ({"repetition_penalty": 0}, {"presence_penalty": 3}, {"min_p": 2}):
+            ws.send_json({"type": "user", "content": "Hi", "params": bad})
+            assert ws.receive_json()["code"] == "invalid_params"
+        ws.send_json({"type": "user", "content": "Hi", "params": penalties})
+        assert answer(ws)[0] == ANSWER
+    (request, *_) = app.engine.requests  # the turn's (a stored turn's tail prefill follows)
+    assert {name: getattr(request.params, name) for name in penalties} == penalties
+
+
 def test_a_message_while_answering_is_busy_and_cancel_ends_the_answer(app: App) -> None:
     app.engine.hold.clear()  # every answer waits after its first token
     with app.connect() as ws:
