@@ -175,6 +175,42 @@ def test_greedy_tokens_match_transformers_batched_cached_and_preempted(
         assert_same_greedy(expected, got)
 
 
+def test_parallel_samples_and_the_third_tier_keep_transformers_tokens(
+    case: Any, make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    """n = 2 greedy samples sharing the prompt's blocks (copy-on-write at the first token), and
+    a history stored in the third KV tier by one engine and loaded by a fresh one (the blocks'
+    K/V of every layer, windowed or not, read back instead of recomputed): both answer with
+    transformers' greedy tokens."""
+    from service.engine.kvtier.config import KVTierConfig
+    from service.engine.params import SamplingParams
+
+    _, directory, loaded = case
+    history = _prompt(
+        80, seed=21
+    )  # five blocks of 16 (the tier loads from four), past every window
+    turn = [*history, *_prompt(6, seed=22)]
+    expected = _as_generated(_transformers_greedy(directory, turn, 16))
+    engine = make_engine(loaded)
+    engine.add_request("pair", turn, SamplingParams(temperature=0.0, max_tokens=16, n=2))
+    samples: dict[int, list[int]] = {0: [], 1: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            samples[out.index] += out.new_token_ids
+    for tokens in samples.values():
+        assert_same_greedy({"t": expected}, {"t": _as_generated(tokens)})
+    tier = KVTierConfig(directory=tmp_path)
+    writer = make_engine(loaded, kv_tier=tier)
+    writer.add_request("store", history, SamplingParams(max_tokens=0), persist=True)
+    while writer.has_unfinished_requests():
+        writer.step()
+    assert writer.kv_tier is not None and writer.kv_tier.flush()
+    reader = make_engine(loaded, kv_tier=tier)
+    loaded_turn = run(reader, {"t": turn}, greedy(16))
+    assert reader.stats().blocks.prefix_tier_hits == 80
+    assert_same_greedy({"t": expected}, loaded_turn)
+
+
 @torch.inference_mode()
 def test_packed_weights_run_every_family_as_its_dequantized_weights(case: Any) -> None:
     """Quantized at load time (Q8_0 through the CPU kernels, as `--weights int8` does), each
