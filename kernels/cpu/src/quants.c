@@ -29,6 +29,12 @@
 #define DOT_J 4
 #endif
 
+/* How many weight rows ahead the one-to-four-row products prefetch: the rows they read are
+   short runs (a row of k = 640 in Q8_0 is 680 bytes) that the hardware's stream prefetchers do
+   not ramp up on, so from memory a large LM head read at a quarter of the machine's bandwidth
+   (docs/perf.md, "Gemma 3 270M against llama-server"). */
+#define PREFETCH_ROWS 16
+
 /* Steps of more rows dequantize TILE_J weight rows into L1, then take TILE_R input rows at a
    time against them: TILE_J x TILE_R accumulators in registers, each weight vector loaded
    once per TILE_R rows and each input vector once per TILE_J weight rows. */
@@ -138,8 +144,11 @@ static int64_t input_block(int64_t m, int64_t k) {
             w[v] = vf_fma(q[v], vf_set1(d[v * VF_W / 16]), vf_set1(m));                            \
     }                                                                                              \
     static void row_##T(const uint8_t *row, int64_t k, float *out) {                               \
-        for (const uint8_t *block = row; block < row + k / (32 * SUBS) * BYTES; block += BYTES)    \
+        const int64_t row_bytes = k / (32 * SUBS) * BYTES;                                         \
+        for (const uint8_t *block = row; block < row + row_bytes; block += BYTES)                  \
             for (int s = 0; s < SUBS; s++, out += 32) {                                            \
+                if (s == 0)                                                                        \
+                    __builtin_prefetch(block + PREFETCH_ROWS * row_bytes);                         \
                 vf w[Q32_VECTORS];                                                                 \
                 weights_##T(block, s, w);                                                          \
                 for (int v = 0; v < Q32_VECTORS; v++)                                              \
@@ -161,6 +170,8 @@ static int64_t input_block(int64_t m, int64_t k) {
                 for (int j = 0; j < J; j++) {                                                      \
                     vf q[Q32_VECTORS];                                                             \
                     float d[2], m;                                                                 \
+                    if (s == 0)                                                                    \
+                        __builtin_prefetch(row + (j + PREFETCH_ROWS) * row_bytes + at);            \
                     integers_##T(row + j * row_bytes + at, s, q, d, &m);                           \
                     for (int r = 0; r < rows; r++) {                                               \
                         const float *xr = xc + r * k;                                              \
