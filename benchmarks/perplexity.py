@@ -116,6 +116,7 @@ class WindowAttention:
 def window_logits(loaded: LoadedModel, ids: Tensor) -> Tensor:
     """[T] token ids of one window -> [T, vocab] fp32 logits, positions from 0."""
     model = loaded.model
+    model.ensure_positions(ids.shape[0])
     attention = WindowAttention(loaded.args.layer_windows)
     hidden = model(ids, torch.arange(ids.shape[0]), attention)  # [T, hidden]
     return model.compute_logits(hidden)

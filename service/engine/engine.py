@@ -89,6 +89,7 @@ class LLMEngine:
         self.model_id = loaded.model_id
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len, loaded.args.max_position_embeddings)
+        loaded.model.ensure_positions(self.max_model_len)
         namespace = f"{loaded.model_id}|{config.cache_salt}"
         num_device, num_cpu = self._pool_sizes(loaded.args)
         self.kv_tier = self._open_tier(loaded.args, namespace)

@@ -184,17 +184,25 @@ class HeadNorm(RMSNorm):
         return super().forward(x)
 
 
+# Positions the RoPE tables cover until an engine asks for more (`LlamaModel.ensure_positions`):
+# a long-context model's whole tables are large (Gemma 3's four: 32,768 x 256 fp32, 134 MB).
+INITIAL_ROPE_POSITIONS = 8192
+
+
 def rope_tables(
-    args: ModelArgs, device: torch.device, theta: float | None = None
+    args: ModelArgs, device: torch.device, theta: float | None = None, positions: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos and signed sin tables [max_position_embeddings, head_dim], fp32, for the
-    rotate_half layout: the sin table's first half negated (see `apply_rope`). `theta`:
-    another base than `args.rope_theta` (Gemma's local layers)."""
+    """cos and signed sin tables [positions, head_dim], fp32, for the rotate_half layout: the
+    sin table's first half negated (see `apply_rope`). `theta`: another base than
+    `args.rope_theta` (Gemma's local layers); `positions`: default the model's context, at
+    most INITIAL_ROPE_POSITIONS."""
+    if positions is None:
+        positions = min(args.max_position_embeddings, INITIAL_ROPE_POSITIONS)
     half = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float()
     inv_freq = 1.0 / ((theta or args.rope_theta) ** (half / args.head_dim))  # [D/2]
     if args.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(args.rope_freq_factors, device=device)
-    t = torch.arange(args.max_position_embeddings, device=device).float()  # [P]
+    t = torch.arange(positions, device=device).float()  # [P]
     freqs = torch.outer(t, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     sin = emb.sin()
@@ -517,7 +525,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attention: LayerAttention) -> Tensor:
         # input_ids, positions: [T] int64 -> hidden [T, hidden], after the final norm.
-        # NOTE: positions must be < max_position_embeddings; the runner caps max_model_len.
+        # NOTE: positions must be within the RoPE tables: the engine grows them to its
+        # max_model_len (`ensure_positions`).
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if self.args.embedding_scale is not None:  # scaled in the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
@@ -582,6 +591,22 @@ class LlamaModel(nn.Module):
         sin = self.sin_table.index_select(0, positions)  # [T, D]
         hidden: Tensor = self.norm(stack(x, cos, sin, StackRows.of(meta, positions)))
         return hidden  # [T, hidden]
+
+    def ensure_positions(self, positions: int) -> None:
+        """Grow the RoPE tables to cover `positions` (at most the model's context); never
+        shrinks them, so that every engine sharing this model keeps the positions it uses."""
+        positions = min(positions, self.args.max_position_embeddings)
+        if positions <= self.cos_table.shape[0]:
+            return
+        device, dtype = self.cos_table.device, self.cos_table.dtype
+
+        def grown(theta: float | None) -> tuple[Tensor, Tensor]:
+            cos, sin = rope_tables(self.args, torch.device("cpu"), theta, positions)
+            return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+        self.cos_table, self.sin_table = grown(None)
+        if self.local_tables is not None:
+            self.local_tables = grown(self.args.local_rope_theta)
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: dense parameters, and packed weights' blocks as stored (a

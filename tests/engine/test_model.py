@@ -259,3 +259,28 @@ def test_packed_weights_need_the_cpu_kernels(tiny: tuple[LoadedModel, LlamaForCa
             loaded.args, dict(loaded.model.state_dict()), torch.float32, CPU,
             weight_dtype=torch.int8,
         )  # fmt: skip
+
+
+def test_rope_tables_start_short_and_grow_to_what_an_engine_asks_never_shrinking() -> None:
+    """A long-context model holds INITIAL_ROPE_POSITIONS rows until an engine asks for more;
+    the grown tables are the same values the whole-context ones would hold, the local layers'
+    (Gemma's own base) too."""
+    from service.engine.model import INITIAL_ROPE_POSITIONS, rope_tables
+
+    args = ModelArgs(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=16, max_position_embeddings=4 * INITIAL_ROPE_POSITIONS,
+        local_rope_theta=500.0, sliding_layers=(0,), sliding_window=8,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    assert model.cos_table.shape == (INITIAL_ROPE_POSITIONS, 16)
+    model.ensure_positions(INITIAL_ROPE_POSITIONS + 5)
+    model.ensure_positions(10)  # another engine's shorter context keeps the longer tables
+    assert model.local_tables is not None
+    for table, theta in ((model.cos_table, None), (model.local_tables[0], 500.0)):
+        whole, _ = rope_tables(args, torch.device("cpu"), theta, args.max_position_embeddings)
+        assert table.shape == (INITIAL_ROPE_POSITIONS + 5, 16)
+        assert torch.equal(table, whole[: INITIAL_ROPE_POSITIONS + 5])
+    model.ensure_positions(10 * args.max_position_embeddings)  # capped at the model's context
+    assert model.sin_table.shape[0] == args.max_position_embeddings
