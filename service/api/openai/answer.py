@@ -109,7 +109,7 @@ class Answer:
                     if out.finished:
                         reasons[out.index] = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
-            return _failure(exc).response()
+            return _failure(exc, self.chat).response()
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -144,7 +144,7 @@ class Answer:
                         choice = self._choice(out.index, out.new_text, logprobs, reason)
                         yield self._chunk([choice], every_chunk)
         except (RequestError, EngineDeadError) as exc:
-            yield _event(_failure(exc).body())
+            yield _event(_failure(exc, self.chat).body())
             return
         if final_usage:
             yield self._chunk([], with_usage=True)
@@ -224,9 +224,9 @@ def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(data) + b"\n\n"
 
 
-def _failure(exc: Exception) -> OpenAIError:
+def _failure(exc: Exception, chat: bool) -> OpenAIError:
     if isinstance(exc, RequestError):  # the engine refused the prompt (its context)
-        return invalid(str(exc), "messages", "context_length_exceeded")
+        return invalid(str(exc), "messages" if chat else "prompt", "context_length_exceeded")
     return OpenAIError(503, str(exc), "engine_unavailable")
 
 

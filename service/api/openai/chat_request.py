@@ -187,9 +187,11 @@ def chat_params(
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     default = limits.default_max_tokens
+    named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return engine_params(
-        req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size
-    )
+        req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size,
+        max_tokens_param=named,
+    )  # fmt: skip
 
 
 def _text(content: str | list[ContentPart] | None, param: str) -> str:

@@ -90,4 +90,5 @@ def completion_params(
         req.logprobs,
         vocab_size,
         logprobs_param="logprobs",
+        prompt_param="prompt",
     )

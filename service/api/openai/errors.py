@@ -105,13 +105,20 @@ def decode_error(exc: msgspec.DecodeError, what: str) -> OpenAIError:
     return invalid(f"not a valid {what}: {exc}", param, "bad_request")
 
 
-def context_exceeded(prompt_tokens: int, max_model_len: int, max_tokens: int = 0) -> OpenAIError:
+def context_exceeded(
+    prompt_tokens: int,
+    max_model_len: int,
+    max_tokens: int = 0,
+    *,
+    prompt_param: str = "messages",  # the request's prompt field: `prompt` on /v1/completions
+    max_tokens_param: str = "max_tokens",  # as the request named it
+) -> OpenAIError:
     """vLLM's refusal of a request that cannot fit the model's context."""
-    asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages"
+    asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {prompt_param}"
     asked += f", {max_tokens} in the completion)" if max_tokens else ")"
     return invalid(
         f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {asked}. Please reduce the length of the messages or completion.",
-        "max_tokens" if max_tokens else "messages",
+        f"requested {asked}. Please reduce the length of the {prompt_param} or completion.",
+        max_tokens_param if max_tokens else prompt_param,
         "context_length_exceeded",
     )

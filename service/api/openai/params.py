@@ -98,15 +98,20 @@ def engine_params(
     asked: int | None,  # max_tokens as the request gives it
     default: int,  # max_tokens when it does not (cut to the room the prompt leaves)
     logprobs: int | None,  # top log-probabilities per token; None: none at all
-    vocab_size: int | None = None,  # logit_bias's token ids are below it
+    vocab_size: int | None = None,  # logit_bias's and stop_token_ids' ids are below it
     logprobs_param: str = "top_logprobs",  # what the request calls `logprobs`
+    prompt_param: str = "messages",  # what the request calls its prompt
+    max_tokens_param: str = "max_tokens",  # what the request called `asked`
 ) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
     A prompt that fills the context, or an explicit max_tokens that the context cannot hold,
     is refused (as vLLM does); the default is cut to what the context has left."""
     if prompt_tokens >= max_model_len:  # no room for one answer token
-        raise context_exceeded(prompt_tokens, max_model_len)
+        raise context_exceeded(prompt_tokens, max_model_len, prompt_param=prompt_param)
+    stop_ids = req.stop_token_ids or []
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
+        raise invalid(f"stop_token_ids must be in 0..{vocab_size - 1}", "stop_token_ids")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
@@ -135,8 +140,12 @@ def engine_params(
         )
     except SamplingError as exc:
         if exc.kind is SamplingErrorKind.CONTEXT:
-            raise context_exceeded(prompt_tokens, max_model_len, asked or 0) from None
-        raise invalid(str(exc), logprobs_param if exc.param == "logprobs" else exc.param) from None
+            raise context_exceeded(
+                prompt_tokens, max_model_len, asked or 0, prompt_param=prompt_param,
+                max_tokens_param=max_tokens_param,
+            ) from None  # fmt: skip
+        renamed = {"logprobs": logprobs_param, "max_tokens": max_tokens_param}
+        raise invalid(str(exc), renamed.get(exc.param or "", exc.param)) from None
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:

@@ -85,6 +85,7 @@ class OpenAIRoutes:
 
     def __init__(self, parts: Callable[[], OpenAIParts]) -> None:
         self._parts = parts
+        self._created = int(time.time())  # /v1/models' `created`: when this server started
 
     @property
     def parts(self) -> OpenAIParts:
@@ -95,7 +96,7 @@ class OpenAIRoutes:
         return self.parts.names
 
     def _model(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pagechat"}
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "pagechat"}
 
     async def models(self, request: Request) -> Response:
         body = {"object": "list", "data": [self._model(self.names[0])]}

@@ -366,3 +366,13 @@ def test_the_docs_say_of_every_request_field_whether_it_is_honoured_ignored_or_r
         in_table = name in rows or any(row.startswith(f"{name}.") for row in rows)
         named = re.search(rf"`{name}[`:]", rows[""])  # `suffix`, `echo: true`
         assert in_table or named, f"/v1/completions' {name}"
+
+
+def test_max_completion_tokens_refusals_name_max_completion_tokens() -> None:
+    for body in ({"max_completion_tokens": 0}, {"max_completion_tokens": 10_000}):
+        with pytest.raises(OpenAIError) as caught:
+            params(decode(**body))
+        assert caught.value.param == "max_completion_tokens", body
+    with pytest.raises(OpenAIError) as caught:
+        params(decode(max_tokens=0))
+    assert caught.value.param == "max_tokens"

@@ -85,3 +85,19 @@ def test_max_tokens_beyond_the_context_is_refused() -> None:
         completion_params(decode(max_tokens=100), Limits(), 2000, 2048)
     assert caught.value.code == "context_length_exceeded"
     assert completion_params(decode(), Limits(), 2040, 2048).max_tokens == 8
+
+
+def test_a_prompt_over_the_context_is_named_prompt_not_messages() -> None:
+    with pytest.raises(OpenAIError) as caught:
+        completion_params(decode(), Limits(), 2048, 2048)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "prompt")
+    assert "the prompt" in caught.value.message
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused() -> None:
+    vocab = gguf_tokenizer().vocab_size
+    with pytest.raises(OpenAIError) as caught:
+        completion_params(decode(stop_token_ids=[vocab]), Limits(), 10, 2048, vocab)
+    assert (caught.value.code, caught.value.param) == ("invalid_value", "stop_token_ids")
+    ok = completion_params(decode(stop_token_ids=[vocab - 1]), Limits(), 10, 2048, vocab)
+    assert ok.stop_token_ids == (vocab - 1,)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -101,6 +102,7 @@ def test_models_lists_the_first_served_name_and_retrieves_each(server: ServerPro
     assert status == 200
     (model,) = json.loads(body)["data"]
     assert (model["object"], model["id"]) == ("model", NAMES[0])
+    assert 0 < time.time() - model["created"] < 3600  # when this server started
     for name in NAMES:
         status, body = server.get(f"/v1/models/{name}")
         assert (status, json.loads(body)["id"]) == (200, name)
