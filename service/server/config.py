@@ -60,8 +60,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = setting(
         (),
         "comma-separated `http[s]://host[:port]` whose pages may open /v1/chat besides the"
-        " server's own origin; `*` for any. A handshake without `Origin` (not a browser) is"
-        " always accepted",
+        " server's own origin reached by IP address or `localhost`; a server reached by a name"
+        " lists its own origin here (DNS rebinding: docs/protocol.md); `*` for any. A"
+        " handshake without `Origin` (not a browser) is always accepted",
     )
     trusted_proxies: tuple[str, ...] = setting(
         (),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import math
 import re
 import time
@@ -220,8 +221,14 @@ class Gate:
 
     def origin_allowed(self, headers: Headers) -> bool:
         """May a WebSocket handshake with these headers go on? Yes without `Origin` (not a
-        browser), for the server's own origin (`Origin`'s host:port is `Host`), and for the
-        allowed ones; no for any other, "null" included."""
+        browser), for the allowed origins, and for the server's own origin (`Origin`'s
+        host:port is `Host`) where that host is an IP address or `localhost`; no for any
+        other, "null" included.
+
+        NOTE (DNS rebinding): a page at http://evil.example:8000 whose name the attacker
+        points at this server's address sends `Origin` and `Host` alike, so their equality
+        alone proves nothing; only a host no DNS answer stands behind does. A server reached
+        by name lists that origin in `allowed_origins`."""
         origin = headers.get("origin")
         if origin is None or "*" in self.allowed_origins:
             return True
@@ -236,7 +243,18 @@ class Gate:
             own = normalize_origin(f"{scheme}://{headers.get('host', '')}")
         except ValueError:
             return False
-        return origin == own
+        return origin == own and _named_by_no_dns(urllib.parse.urlsplit(own).hostname or "")
+
+
+def _named_by_no_dns(host: str) -> bool:
+    """An IP address, or localhost: a host name no DNS answer can point elsewhere."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def cache_salt_for(tenant: str, cache_salt: str | None = None) -> str:

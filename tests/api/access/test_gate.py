@@ -130,17 +130,21 @@ def test_without_keys_everyone_is_the_default_tenant_with_every_right() -> None:
     ("origin", "host", "allowed"),
     [
         (None, "chat.example", True),  # not a browser
-        ("http://chat.example", "chat.example", True),
-        ("https://chat.example", "chat.example:443", True),
-        ("http://chat.example:8000", "chat.example:8000", True),
-        ("http://CHAT.example:8000", "chat.example:8000", True),
-        ("http://chat.example:8001", "chat.example:8000", False),
-        ("http://evil.example", "chat.example", False),
-        ("null", "chat.example", False),  # sandboxed frames, files
-        ("http://chat.example", None, False),
+        ("http://127.0.0.1:8000", "127.0.0.1:8000", True),
+        ("https://10.1.2.3", "10.1.2.3:443", True),
+        ("http://[::1]:8000", "[::1]:8000", True),
+        ("http://localhost:8000", "LOCALHOST:8000", True),
+        ("http://127.0.0.1:8001", "127.0.0.1:8000", False),
+        ("http://evil.example", "127.0.0.1", False),
+        ("null", "127.0.0.1", False),  # sandboxed frames, files
+        ("http://127.0.0.1", None, False),
+        # DNS rebinding: a page whose name now points at this server sends its own name as
+        # Host and Origin alike; a name is trusted only in the allow-list
+        ("http://evil.example:8000", "evil.example:8000", False),
+        ("http://chat.example", "chat.example", False),
     ],
 )
-def test_the_same_origin_is_allowed_by_default(
+def test_the_same_origin_is_allowed_by_default_where_no_dns_names_it(
     origin: str | None, host: str | None, allowed: bool
 ) -> None:
     headers = {name: value for name, value in (("origin", origin), ("host", host)) if value}
@@ -151,10 +155,13 @@ def test_allowed_origins_add_to_the_own_one_and_a_star_allows_any() -> None:
     gate = Gate(
         None, allowed_origins=ServerConfig(allowed_origins=(ALLOWED + "/",)).allowed_origins
     )
-    own = {"host": "chat.example"}
+    own = {"host": "127.0.0.1:8000"}
     assert gate.origin_allowed(Headers({"origin": ALLOWED, **own}))
-    assert gate.origin_allowed(Headers({"origin": "http://chat.example", **own}))
+    assert gate.origin_allowed(Headers({"origin": "http://127.0.0.1:8000", **own}))
     assert not gate.origin_allowed(Headers({"origin": "https://allowed.example", **own}))
+    # A server reached by name: its origin listed, whatever Host a proxy passes.
+    named = Gate(None, allowed_origins=("https://chat.example",))
+    assert named.origin_allowed(Headers({"origin": "https://chat.example", "host": "chat.example"}))
     anyone = Gate(None, allowed_origins=("*",))
     assert anyone.origin_allowed(Headers({"origin": "http://evil.example", **own}))
 
@@ -454,6 +461,21 @@ async def test_forwarded_for_counts_only_from_a_trusted_proxy(server: ServerProc
 async def test_a_foreign_page_cannot_open_a_socket(server: ServerProcess, origin: str) -> None:
     with pytest.raises(InvalidStatus) as refused:
         await connect(server, key=BOB, origin=Origin(origin))
+    assert refused.value.response.status_code == 403
+
+
+@pytest.mark.real_model
+@pytest.mark.server
+async def test_a_dns_rebinding_handshake_is_refused(server: ServerProcess) -> None:
+    """A page at evil.example whose name now resolves to this server: the browser sends that
+    name as Host and Origin alike."""
+    rebound = f"evil.example:{server.port}"
+    headers = {"X-Forwarded-For": fresh_address(), "Authorization": f"Bearer {BOB}"}
+    with pytest.raises(InvalidStatus) as refused:
+        await ChatClient.connect(
+            f"ws://{rebound}/v1/chat", host="127.0.0.1", port=server.port,
+            origin=Origin(f"http://{rebound}"), additional_headers=headers,
+        )  # fmt: skip
     assert refused.value.response.status_code == 403
 
 
