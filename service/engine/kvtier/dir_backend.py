@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import time
 import uuid
@@ -77,7 +78,9 @@ class DirBackend:
         for key in keys:
             path = self.path(key)
             try:
-                with open(path, "rb") as f:
+                with open(path, "rb", opener=_without_blocking) as f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        raise FileNotFoundError(path)  # a FIFO or device there is no record
                     data = f.read()
                 os.utime(path)  # most recently used, across restarts too
             except FileNotFoundError:
@@ -145,3 +148,9 @@ class DirBackend:
             self._index = OrderedDict((path, size) for _, path, size in found)
             self._bytes = sum(size for _, _, size in found)
             self._last_scan = time.monotonic()
+
+
+def _without_blocking(path: str, flags: int) -> int:
+    """Open for reading without waiting: a FIFO planted where a record belongs would otherwise
+    hold the reader (and every load after it) until a writer came. Regular files ignore it."""
+    return os.open(path, flags | os.O_NONBLOCK)

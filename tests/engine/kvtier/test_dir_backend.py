@@ -81,3 +81,14 @@ def test_a_root_that_is_a_file_is_refused_at_start(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="kv tier directory"):
         DirBackend(tmp_path / "f", cap_bytes=1000)
+
+
+@pytest.mark.timeout(60)  # a blocking open never returns: the timeout is the failure
+def test_a_fifo_where_a_record_belongs_reads_as_missing_at_once(tmp_path: Path) -> None:
+    """Nothing writes to it: a blocking open would hold the reader, and every load after it."""
+    backend = DirBackend(tmp_path, cap_bytes=1 << 20)
+    backend.put(key(2), b"y" * 10)
+    fifo = backend.path(key(1))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    assert backend.get_many([key(1), key(2)]) == [None, b"y" * 10]
