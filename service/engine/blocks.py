@@ -146,8 +146,11 @@ def block_namespace(
         return namespace
     if scope.salt:
         namespace += f"|salt:{len(scope.salt)}:{scope.salt}"
-    if scope.private is None or (block_index + 1) * block_size <= scope.shared_tokens:
+    if scope.private is None:
         return namespace
+    if (block_index + 1) * block_size <= scope.shared_tokens:
+        key = scope.shared_key
+        return f"{namespace}|shared:{len(key)}:{key}" if key else namespace
     return f"{namespace}|private:{len(scope.private)}:{scope.private}"
 
 

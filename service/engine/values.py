@@ -49,10 +49,13 @@ class CacheScope(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     Requests with different salts (tenants) share nothing. Within a salt, sessions (`private`
     ids) share only the blocks wholly inside the shared part (the chat template's fixed
     prefix and the system prompt): a block reaching one token past it holds K/V of that
-    token, so it is private. What a shared hit tells a session is that someone in its salt
-    used the same system prompt. `None` and `CacheScope()` hash as before scopes existed, so
-    page maps stored earlier stay valid, and a default-salt scope's shared blocks are the
-    ones unscoped requests find.
+    token, so it is private. With a `shared_key` (a digest of the whole shared part) the
+    shared blocks are hashed under it too, so they are found only by a session whose whole
+    shared part is the same: a shared hit tells a session that someone in its salt used the
+    same system prompt, and nothing about one that merely begins alike (else a system prompt
+    could be read block by block). `None` and `CacheScope()` hash as before scopes existed,
+    so page maps stored earlier stay valid, and the shared blocks of a default-salt scope
+    without a key are the ones unscoped requests find.
     The chain is unchanged: a block's hash covers its parent's, so it names every token before
     it whatever namespaces they were hashed in; a namespace narrows who can find a block, never
     what its K/V hold. Two sessions sending the same message compute and keep it twice.
@@ -63,6 +66,7 @@ class CacheScope(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     salt: str = ""  # tenant (API key, cache_salt): different salts share nothing
     private: str | None = None  # e.g. a session id: blocks past `shared_tokens` are its own
     shared_tokens: int = 0  # leading prompt tokens that may be shared within the salt
+    shared_key: str = ""  # a digest of those tokens: only the same whole shared part shares
 
     def __post_init__(self) -> None:
         if self.shared_tokens < 0:

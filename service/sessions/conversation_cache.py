@@ -19,8 +19,10 @@ view shows it so).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
+from array import array
 
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
@@ -49,11 +51,14 @@ class ConversationCache:
     def scope(self, salt: str, session_id: str, system: str | None) -> CacheScope:
         """Who may share this conversation's KV blocks (CacheScope's NOTE): requests of the
         same `salt` (tenant) only, and across sessions only the blocks wholly inside the
-        template's prefix and the system prompt, unless every block is shared."""
+        template's prefix and the system prompt, with sessions of the very same system prompt
+        (its digest keys them), unless every block is shared."""
         if self.share_across_sessions:
             return CacheScope(salt=salt)
         shared = self.chat_format.system_prefix_len(system)
-        return CacheScope(salt=salt, private=session_id, shared_tokens=shared)
+        ids = self.chat_format.first_prompt(system, "a")[:shared]
+        digest = hashlib.blake2b(array("q", ids).tobytes(), digest_size=12).hexdigest()
+        return CacheScope(salt=salt, private=session_id, shared_tokens=shared, shared_key=digest)
 
     def page_map(self, token_ids: list[int]) -> PageMap:
         """The page map of a conversation whose ids are `token_ids` (PageMap's NOTE: where

@@ -56,20 +56,25 @@ def kv_values(token_ids: list[int]) -> list[int]:
     return values
 
 
-Owner = tuple[str, str | None]  # (salt, private id or None when shared within the salt)
+# (salt, private id or None when shared within the salt, the shared part's key or "")
+Owner = tuple[str, str | None, str]
 
 
 def block_owner(scope: CacheScope | None, index: int, block_size: int) -> Owner:
     """Who may find block `index` of a prompt in `scope`: the policy, written out again."""
     if scope is None:
-        return ("", None)
-    shared = scope.private is None or (index + 1) * block_size <= scope.shared_tokens
-    return (scope.salt, None if shared else scope.private)
+        return ("", None, "")
+    if scope.private is None:
+        return (scope.salt, None, "")
+    if (index + 1) * block_size <= scope.shared_tokens:
+        return (scope.salt, None, scope.shared_key)
+    return (scope.salt, scope.private, "")
 
 
 def owner_namespace(owner: Owner) -> str:
-    salt, private = owner
+    salt, private, key = owner
     namespace = NAMESPACE + (f"|salt:{len(salt)}:{salt}" if salt else "")
+    namespace += f"|shared:{len(key)}:{key}" if key else ""
     return namespace + (f"|private:{len(private)}:{private}" if private is not None else "")
 
 
@@ -835,11 +840,33 @@ def test_salts_and_ids_cannot_spell_one_another() -> None:
         CacheScope(salt="a", private="b|c"),
         CacheScope(salt="a|b", private="c"),
         CacheScope(salt="a:", private="b"),
+        CacheScope(salt="a", private="b", shared_tokens=4, shared_key="c"),
+        CacheScope(salt="a|shared:1:c", private="b", shared_tokens=4),
+        CacheScope(private="b", shared_tokens=4, shared_key="a"),
     ]
     namespaces = {block_namespace(NAMESPACE, scope, 0, 4) for scope in scopes}
     assert len(namespaces) == len(scopes) and NAMESPACE not in namespaces
     hashes = {hash_blocks([1, 2, 3, 4], 4, NAMESPACE, scope)[0] for scope in scopes}
     assert len(hashes | set(hash_blocks([1, 2, 3, 4], 4, NAMESPACE))) == len(scopes) + 1
+
+
+def test_sessions_share_the_shared_part_only_under_the_same_key() -> None:
+    """The shared part's blocks are keyed by a digest of the whole shared part: a session
+    whose system prompt merely begins like another's finds none of its blocks, not even the
+    first (else a system prompt could be read block by block)."""
+    bm, kv = manager(16, 0, 4)
+    tokens = list(range(1, 15))
+    alice = CacheScope(private="alice", shared_tokens=8, shared_key="prompt-1")
+    first = make_seq(tokens, alice)
+    assert admit(bm, kv, first, chunk=14)
+    bm.free(first)
+
+    def hit(scope: CacheScope) -> int:
+        return bm.find_prefix(make_seq(tokens, scope)).num_tokens
+
+    assert hit(CacheScope(private="bob", shared_tokens=8, shared_key="prompt-1")) == 8
+    assert hit(CacheScope(private="bob", shared_tokens=8, shared_key="prompt-2")) == 0
+    assert hit(CacheScope(private="bob", shared_tokens=4, shared_key="prompt-2")) == 0
 
 
 def test_a_cache_scope_is_validated_at_construction() -> None:
@@ -1028,6 +1055,7 @@ SCOPES = st.none() | st.builds(
     salt=st.sampled_from(["", "t", "t|p"]),
     private=st.sampled_from([None, "p", "q"]),
     shared_tokens=st.integers(0, 12),
+    shared_key=st.sampled_from(["", "", "k", "l"]),
 )
 CHUNK = st.integers(1, 6)
 MAX_LIVE = 6

@@ -38,7 +38,13 @@ def test_a_session_shares_only_its_system_prompt_blocks_with_other_sessions(
     fmt = conversations.chat_format
     scope = conversations.scope("", "sid", "Be brief.")
     shared = fmt.system_prefix_len("Be brief.")
-    assert scope == CacheScope(salt="", private="sid", shared_tokens=shared)
+    assert scope == CacheScope(
+        salt="", private="sid", shared_tokens=shared, shared_key=scope.shared_key
+    )
+    # Keyed by the whole system prompt: the same one shares, one that begins alike does not.
+    assert conversations.scope("", "other", "Be brief.").shared_key == scope.shared_key
+    alike = conversations.scope("", "other", "Be brief. And polite.").shared_key
+    assert alike != scope.shared_key and len(alike) == len(scope.shared_key) == 24
     # The shared part is the prompt up to the user's words, whatever they are.
     for content in ("a", "Hello there", "<|im_end|>"):
         prompt = fmt.first_prompt("Be brief.", content)

@@ -175,6 +175,24 @@ async def test_blocks_swapped_to_the_cpu_come_back_on_return_with_the_same_answe
     assert after["swaps"]["blocks_swapped_in"] > pressured["swaps"]["blocks_swapped_in"]
 
 
+async def test_a_system_prompt_is_shared_whole_or_not_at_all(server: ServerProcess) -> None:
+    """Another session of the same system prompt finds its blocks; a probe whose system prompt
+    only begins like it (its first 30 words: two blocks and more) finds none, not even the
+    first: a session learns that someone used the same system prompt, never part of one."""
+    system = words(31, 60)  # ~65 tokens: four full blocks with the template's prefix
+    probe = " ".join(system.split()[:30] + words(32, 20).split())
+
+    async def first_turn(system_prompt: str) -> int:
+        async with await ChatClient.connect(server.ws) as chat:
+            await chat.open(system=system_prompt)
+            answer = await chat.ask("Hi", max_tokens=2, **GREEDY)
+        return answer.usage.cached_tokens
+
+    assert await first_turn(system) == 0
+    assert await first_turn(system) >= 2 * BLOCK
+    assert await first_turn(probe) == 0
+
+
 # ---------------------------------------------------------------------- ending answers
 
 
