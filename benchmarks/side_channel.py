@@ -10,6 +10,12 @@ cached-token count and the time to first token. Here, per probe:
             secret (a should-hit probe) or fresh random text of as many words from the same
             one-token words (a miss), hits and misses in random order, `max_tokens` 1.
 
+With `--target system-prefix` the secret is in the victim's system prompt (the shared prompt,
+then the secret's words), and the attacker opens its session with a system prompt that only
+begins like it: the shared prompt and the first half of the secret's words (a hit) or of fresh
+words (a miss), then fresh words of its own. Sessions share cached blocks only for the very same
+whole system prompt, so neither kind should find more than the other.
+
 Between the two the server is let go idle (its background caching of the victim's turn done),
 so both kinds of probe meet the same server. The attacker records `usage.cached_tokens` and
 `timing.ttft_s`. Reported, hits against misses: mean cached tokens, TTFT median and p90, the
@@ -20,6 +26,7 @@ half the probes and scored on the other half (held-out; 0.5 means no leak).
 
     .venv/bin/python -m benchmarks.side_channel                # spawns a server: bundled model
     .venv/bin/python -m benchmarks.side_channel --compare      # global sharing, then the default
+    .venv/bin/python -m benchmarks.side_channel --compare --target system-prefix
     .venv/bin/python -m benchmarks.side_channel --url ws://127.0.0.1:8000/v1/chat
 """
 
@@ -204,7 +211,11 @@ async def wait_idle(http: str, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"the server did not go idle in {timeout_s}s")
 
 
-async def probe_all(url: str, num_probes: int, secret_words: int, seed: int) -> list[Probe]:
+async def probe_all(
+    url: str, num_probes: int, secret_words: int, seed: int, target: str = "message"
+) -> list[Probe]:
+    if target == "system-prefix":
+        return await probe_system_prefixes(url, num_probes, secret_words, seed)
     rng = random.Random(seed)
     kinds = [True] * (num_probes // 2) + [False] * (num_probes - num_probes // 2)
     rng.shuffle(kinds)
@@ -217,6 +228,32 @@ async def probe_all(url: str, num_probes: int, secret_words: int, seed: int) -> 
         await first_turn(url, SYSTEM, secret)  # the victim
         await wait_idle(http)
         answer = await first_turn(url, SYSTEM, secret if is_hit else random_text(rng, secret_words))
+        usage, ttft = answer.usage, answer.timing.ttft_s
+        assert ttft is not None, "a one-token answer has a first token"
+        probes.append(
+            Probe(is_hit, usage.prompt_tokens, usage.cached_tokens, usage.swapped_in_tokens, ttft)
+        )
+    return probes
+
+
+async def probe_system_prefixes(
+    url: str, num_probes: int, secret_words: int, seed: int
+) -> list[Probe]:
+    """The victim's secret in its system prompt; the attacker's system prompt shares its first
+    half (a hit) or not (a miss), then goes on with words of its own."""
+    rng = random.Random(seed)
+    kinds = [True] * (num_probes // 2) + [False] * (num_probes - num_probes // 2)
+    rng.shuffle(kinds)
+    http = http_base(url)
+    half = secret_words // 2
+    probes = []
+    for is_hit in kinds:
+        secret = random_text(rng, secret_words)
+        await first_turn(url, f"{SYSTEM} {secret}", "Hello.")  # the victim
+        await wait_idle(http)
+        start = secret if is_hit else random_text(rng, secret_words)
+        own = " ".join(start.split()[: half + 1]) + random_text(rng, secret_words - half)[5:]
+        answer = await first_turn(url, f"{SYSTEM} {own}", "Hello.")
         usage, ttft = answer.usage, answer.timing.ttft_s
         assert ttft is not None, "a one-token answer has a first token"
         probes.append(
@@ -282,7 +319,9 @@ def print_reports(reports: list[Report]) -> None:
 def measure(args: argparse.Namespace, label: str, extra: list[str]) -> Report:
     """Probe a server started with the common arguments plus `extra`, or the one at --url."""
     if args.url:
-        probes = asyncio.run(probe_all(args.url, args.probes, args.secret_words, args.seed))
+        probes = asyncio.run(
+            probe_all(args.url, args.probes, args.secret_words, args.seed, args.target)
+        )
         return report(label, [], probes)
     with tempfile.TemporaryDirectory() as tmp:
         server_args = [
@@ -293,7 +332,9 @@ def measure(args: argparse.Namespace, label: str, extra: list[str]) -> Report:
         ]
         server = Server(Path(tmp) / "server.log", server_args)
         try:
-            probes = asyncio.run(probe_all(server.ws, args.probes, args.secret_words, args.seed))
+            probes = asyncio.run(
+                probe_all(server.ws, args.probes, args.secret_words, args.seed, args.target)
+            )
         finally:
             code = server.stop()
         if code != 0:
@@ -316,6 +357,12 @@ def main(argv: list[str] | None = None) -> list[Report]:
         help="two spawned servers: --global-args (sharing across sessions), then the default",
     )
     parser.add_argument("--global-args", default="--prefix-cache-scope global")
+    parser.add_argument(
+        "--target",
+        choices=["message", "system-prefix"],
+        default="message",
+        help="the secret in the victim's first message, or in its system prompt",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.probes < 2:

@@ -156,3 +156,17 @@ def test_a_small_run_against_a_real_server(tmp_path: Path) -> None:
     assert leaky.cached_tokens_hit > leaky.cached_tokens_miss
     assert leaky.cached_tokens_accuracy == 1.0
     assert default.cached_tokens_hit == default.cached_tokens_miss > 0  # the system prompt
+
+
+@pytest.mark.server
+def test_a_system_prompt_that_begins_like_anothers_finds_none_of_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """The secret in the victim's system prompt, the attacker's sharing its first half: with
+    global sharing the hits show in `cached_tokens`; by default hits and misses alike find
+    nothing, not even the template's prefix."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    common = ["--probes", "8", "--secret-words", "40", "--model", str(model), "--dtype", "float32"]
+    leaky, default = main([*common, "--compare", "--target", "system-prefix"])
+    assert leaky.cached_tokens_hit > leaky.cached_tokens_miss
+    assert default.cached_tokens_hit == default.cached_tokens_miss == 0
