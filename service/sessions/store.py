@@ -30,6 +30,7 @@ plain hash is enough (no key stretching); comparison is constant-time.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -41,6 +42,7 @@ from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from service.sessions.models import Message, PageMap, SessionMeta
 
@@ -131,6 +133,8 @@ class SessionStore:
         self._renew_turn = redis.register_script(_RENEW_TURN)
         self._end_turn = redis.register_script(_END_TURN)
         self._append_turn = redis.register_script(_APPEND_TURN)
+        # Releases of leases whose begin_turn failed after sending (`_release_when_back`).
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def under(self, prefix: str) -> SessionStore:
         """Another key space (a tenant's) over the same Redis client; close only this one."""
@@ -237,9 +241,15 @@ class SessionStore:
         _check_id(session_id)
         holder = f"{self.replica}:{secrets.token_urlsafe(12)}"
         keys = [self.meta_key(session_id), self.lease_key(session_id)]
-        status, value = cast(
-            list[Any], await self._begin_turn(keys=keys, args=[holder, _ms(lease_s)])
-        )
+        try:
+            status, value = cast(
+                list[Any], await self._begin_turn(keys=keys, args=[holder, _ms(lease_s)])
+            )
+        except BaseException:
+            # A stalled Redis (a timeout or cancellation around this call) may still run the
+            # script once it answers: a lease nobody holds would answer `busy` till it expired.
+            self._release_when_back(keys[1], holder, lease_s, taken=False)
+            raise
         if status == 0:
             raise SessionNotFound(f"unknown or expired session {session_id}")
         if status < 0:
@@ -259,9 +269,17 @@ class SessionStore:
         and no turn was written since it was taken; refreshes the TTL."""
         await self._write_turn(lease, secrets.token_urlsafe(12), messages, page_map)
 
-    async def end_turn(self, lease: TurnLease) -> None:
-        """Release the lease, if it is still ours (an expired one may be someone else's)."""
-        await self._end_turn(keys=[self.lease_key(lease.session_id)], args=[lease.holder])
+    async def end_turn(self, lease: TurnLease, *, lease_s: float = LEASE_S) -> None:
+        """Release the lease, if it is still ours (an expired one may be someone else's). If
+        Redis cannot be reached (a stall, an outage), the release is retried in the
+        background until it is through or the lease has expired, so that the session is not
+        `busy` with nobody answering; the error is raised all the same."""
+        key = self.lease_key(lease.session_id)
+        try:
+            await self._end_turn(keys=[key], args=[lease.holder])
+        except BaseException:
+            self._release_when_back(key, lease.holder, lease_s, taken=True)
+            raise
 
     # ------------------------------------------------------------------ upkeep
 
@@ -274,10 +292,48 @@ class SessionStore:
     async def ping(self) -> None:
         await self._redis.ping()
 
+    async def settle(self) -> None:
+        """Wait for the releases of leases whose turns failed to start (tests, shutdown)."""
+        await asyncio.gather(*self._releasing, return_exceptions=True)
+
     async def close(self) -> None:
+        for task in self._releasing:
+            task.cancel()
         await self._redis.aclose()
 
     # ------------------------------------------------------------------ internals
+
+    def _release_when_back(
+        self, lease_key: str, holder: str, lease_s: float, *, taken: bool
+    ) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self._release_stale(lease_key, holder, lease_s, taken),
+                name=f"release {lease_key}",
+            )
+        except RuntimeError:  # no running loop (shutting down): the lease expires by itself
+            return
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release_stale(
+        self, lease_key: str, holder: str, lease_s: float, taken: bool
+    ) -> None:
+        """Release `holder`'s lease by its token (never anyone else's) as soon as Redis takes
+        commands again, for as long as the lease could last. `taken`: the lease was ours, so
+        one answer ends it; else the script that takes it may not have run yet, and a "not
+        ours" means try again."""
+        deadline = time.monotonic() + lease_s
+        delay = 0.05
+        while time.monotonic() < deadline:
+            try:
+                if await self._end_turn(keys=[lease_key], args=[holder]) or taken:
+                    log.info("released %s after Redis came back", lease_key)
+                    return
+            except (RedisError, OSError):
+                pass  # still away: try again
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
     async def _write_turn(
         self, lease: TurnLease, write_id: str, messages: list[Message], page_map: PageMap

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ from service.sessions.store import (
     WrongSecret,
 )
 from tests.api.server import REDIS_URL, delete_prefix, unique_prefix
+from tests.redis_process import RedisProcess, redis_server
+
+__all__ = ["redis_server"]  # the fixture: a redis-server of the test's own, to freeze
 
 pytestmark = pytest.mark.server
 
@@ -337,3 +341,29 @@ def test_embedded_redis_keeps_sessions_across_a_restart(tmp_path: Path) -> None:
         assert asyncio.run(read(server, sid, secret)) == "persisted"
     finally:
         server.stop()
+
+
+async def test_a_turn_whose_release_met_a_redis_stall_leaves_no_lease(
+    redis_server: RedisProcess,
+) -> None:
+    """Redis frozen (SIGSTOP) as a turn ends: its release gives up, and is retried in the
+    background; once Redis is thawed the next turn is answered, not `busy` until the lease
+    would have expired (30 s here)."""
+    client = aioredis.Redis(unix_socket_path=str(redis_server.socket))
+    store = SessionStore(client, prefix="stall:", ttl_s=60, replica="r1")
+    try:
+        session_id = (await store.create(model_id="m", system=None)).meta.session_id
+        lease = await store.begin_turn(session_id, lease_s=30.0)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.end_turn(lease, lease_s=30.0), 0.5)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await store.settle()  # the release, retried once Redis is back
+        next_lease = await store.begin_turn(session_id)  # not SessionBusy
+        await write_turn_under(store, next_lease, exchange("Hi", "Hello"))
+    finally:
+        await store.close()
+        await client.aclose()

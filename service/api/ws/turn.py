@@ -112,7 +112,7 @@ class Turn:
             keeper.cancel()
             try:
                 await store.end_turn(lease)
-            except redis.exceptions.RedisError as exc:  # it expires by itself within LEASE_S
+            except redis.exceptions.RedisError as exc:  # retried once Redis is back (store.py)
                 log.warning("could not release the turn lease of %s: %s", self.session_id, exc)
         # Only now: a client may send its next message the moment it reads `done`.
         if done is not None:
