@@ -63,8 +63,10 @@ class Limits:
     )
     send_timeout_s: float = setting(
         15.0,
-        "seconds a client may leave a frame unread (or the queue full) before it is dropped,"
-        " its answer stored as far as it got",
+        "seconds a client may leave the server unable to hand it a frame (the socket's buffers"
+        " full and the writer stalled, or the queue full) before it is dropped, its answer"
+        " stored as far as it got; the buffers fill first, so a client that stops reading is"
+        " dropped later than this after its last read",
     )
 
     def __post_init__(self) -> None:
