@@ -60,7 +60,7 @@ def create_app(hub: Hub) -> Starlette:
         if hub.admission.draining:
             problems.append("shutting down")
         try:
-            await hub.store.ping()
+            await hub.store.check_writes()
         except redis.exceptions.RedisError as exc:
             problems.append(f"redis: {exc}")
         if problems:

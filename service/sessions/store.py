@@ -290,7 +290,16 @@ class SessionStore:
             await pipe.execute()
 
     async def ping(self) -> None:
+        """Redis answers (start-up: a server that refuses writes for now still starts)."""
         await self._redis.ping()
+
+    async def check_writes(self) -> None:
+        """A write Redis must accept (a short-lived key of this replica's), what /health
+        asks: a server that answers but refuses writes (`min-replicas-to-write` with no
+        replica in sync, a read-only replica after a failover) fails it as one that does not
+        answer."""
+        key = f"{self.prefix}health:{self.replica}"
+        await self._redis.set(key, str(time.time()), px=10_000)
 
     async def settle(self) -> None:
         """Wait for the releases of leases whose turns failed to start (tests, shutdown)."""

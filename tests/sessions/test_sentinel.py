@@ -252,7 +252,7 @@ async def test_writes_resume_on_the_promoted_replica_after_the_master_dies(
     # Every turn written after the kill (on the promoted replica: the master was dead) reads
     # back whole, from the promoted replica.
     for store in stores:
-        await store.ping()  # what /health asks
+        await store.check_writes()  # what /health asks
     for sid in written:
         meta, page_map = await reader.load(sid)
         messages, expected = turn(sid)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from service.sessions.models import Message, PageMap, Role
@@ -364,6 +365,26 @@ async def test_a_turn_whose_release_met_a_redis_stall_leaves_no_lease(
         await store.settle()  # the release, retried once Redis is back
         next_lease = await store.begin_turn(session_id)  # not SessionBusy
         await write_turn_under(store, next_lease, exchange("Hi", "Hello"))
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_a_redis_that_refuses_writes_fails_the_health_probe(
+    redis_server: RedisProcess,
+) -> None:
+    """`min-replicas-to-write` with no replica: Redis answers PING but refuses every write;
+    the probe /health asks is a write, so it fails (as it does for a read-only replica)."""
+    client = aioredis.Redis(unix_socket_path=str(redis_server.socket))
+    store = SessionStore(client, prefix="health:", ttl_s=60, replica="r1")
+    try:
+        await store.check_writes()
+        await client.config_set("min-replicas-to-write", 1)
+        await store.ping()  # it answers
+        with pytest.raises(redis.exceptions.ResponseError, match="NOREPLICAS"):
+            await store.check_writes()
+        await client.config_set("min-replicas-to-write", 0)
+        await store.check_writes()
     finally:
         await store.close()
         await client.aclose()
