@@ -55,10 +55,11 @@ class ConversationCache:
         (its digest keys them), unless every block is shared."""
         if self.share_across_sessions:
             return CacheScope(salt=salt)
-        shared = self.chat_format.system_prefix_len(system)
-        ids = self.chat_format.first_prompt(system, "a")[:shared]
-        digest = hashlib.blake2b(array("q", ids).tobytes(), digest_size=12).hexdigest()
-        return CacheScope(salt=salt, private=session_id, shared_tokens=shared, shared_key=digest)
+        shared = self.chat_format.system_prefix(system)
+        digest = hashlib.blake2b(array("q", shared).tobytes(), digest_size=12).hexdigest()
+        return CacheScope(
+            salt=salt, private=session_id, shared_tokens=len(shared), shared_key=digest
+        )
 
     def page_map(self, token_ids: list[int]) -> PageMap:
         """The page map of a conversation whose ids are `token_ids` (PageMap's NOTE: where

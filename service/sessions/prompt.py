@@ -66,11 +66,12 @@ class ChatFormat:
             raise TemplateError("this model's template cannot continue an assistant message")
         return closed[: -len(end)]
 
-    def system_prefix_len(self, system: str | None) -> int:
-        """How many leading tokens of every conversation with this system prompt are the
-        same whatever the user says: the template's fixed prefix and the system prompt (the
-        part sessions may share in the prefix cache)."""
-        return _common_prefix_len(self.first_prompt(system, "a"), self.first_prompt(system, "b"))
+    def system_prefix(self, system: str | None) -> list[int]:
+        """The leading tokens every conversation with this system prompt has, whatever the
+        user says: the template's fixed prefix and the system prompt (the part sessions may
+        share in the prefix cache)."""
+        first = self.first_prompt(system, "a")
+        return first[: _common_prefix_len(first, self.first_prompt(system, "b"))]
 
     def user_turn(self, content: str) -> list[int]:
         """The tokens a user turn adds after a closed conversation, generation prompt included."""

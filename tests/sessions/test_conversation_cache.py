@@ -37,7 +37,7 @@ def test_a_session_shares_only_its_system_prompt_blocks_with_other_sessions(
     conversations = cache(engine)
     fmt = conversations.chat_format
     scope = conversations.scope("", "sid", "Be brief.")
-    shared = fmt.system_prefix_len("Be brief.")
+    shared = len(fmt.system_prefix("Be brief."))
     assert scope == CacheScope(
         salt="", private="sid", shared_tokens=shared, shared_key=scope.shared_key
     )
