@@ -16,7 +16,7 @@ from typing import Any
 import gguf
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from service.engine.chat_templates import builtin_template
@@ -374,31 +374,21 @@ def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> Backend:
 
 
 def _gemma_sentencepiece(tokens: list[str]) -> Backend:
-    """Gemma's SentencePiece BPE: spaces as "▁", no split into words, bytes for what the
-    vocabulary lacks. The file stores no merges and its scores do not rank them: a token that
-    is two pieces of the vocabulary merges them, earlier tokens first (SentencePiece's BPE
-    vocabulary lists its merges in the order it learned them). Tokens of spaces are stored as
-    spaces, which the normalizer has turned into "▁" before the model sees them."""
+    """Gemma's SentencePiece BPE: no space before the text, and no merges or useful scores in
+    the file: SentencePiece's BPE vocabulary lists its merges in the order it learned them, so
+    earlier tokens merge first. Tokens of spaces are stored as spaces, which the model never
+    sees (they are "▁" by then): respelled."""
     spelled = [_SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {tok: i for i, tok in enumerate(spelled)}
-    backend = Backend(
-        models.BPE(
-            vocab=vocab, merges=_merges(spelled, range(0, -len(spelled), -1)), unk_token="<unk>",
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )  # fmt: skip
-    backend.normalizer = normalizers.Replace(" ", _SPACE_PIECE)
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace(_SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    return backend
+    return _sentencepiece(spelled, range(0, -len(spelled), -1), prefix_space=False)
 
 
-def _sentencepiece(tokens: list[str], scores: list[float], *, prefix_space: bool) -> Backend:
-    """Llama 2's, Mistral's and Phi-3's SentencePiece BPE: spaces as "▁", a space before
-    the text where the file says so (`add_space_prefix`), bytes for what the vocabulary lacks;
-    a token that is two pieces of the vocabulary merges them, higher-scored tokens first."""
+def _sentencepiece(
+    tokens: Sequence[str], scores: Sequence[float], *, prefix_space: bool
+) -> Backend:
+    """SentencePiece BPE (Llama 2's, Mistral's, Phi-3's; Gemma's above): spaces as "▁", a
+    space before the text where the file says so (`add_space_prefix`), no split into words,
+    bytes for what the vocabulary lacks; a token that is two pieces of the vocabulary merges
+    them, higher-scored tokens first."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = Backend(
         models.BPE(
