@@ -135,44 +135,38 @@ def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 def _with_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """A copy of `logits` with each penalized row's penalties applied, as vLLM applies them:
     repetition over every token seen (prompt and answer), then frequency and presence over
-    the answer's. One scatter counts the answers' tokens for all the rows together."""
-    picked = [i for i, r in enumerate(rows) if r.params.penalized]
-    device, vocab = logits.device, logits.shape[1]
-    answer_rows: list[int] = []
-    answer_ids: list[int] = []
-    prompt_rows: list[int] = []
-    prompt_ids: list[int] = []
-    for j, i in enumerate(picked):
-        r = rows[i]
-        answer = [t for t in r.token_ids[r.num_prompt_tokens :] if t < vocab]
-        answer_rows += [j] * len(answer)
-        answer_ids += answer
+    the answer's. Only the logits of tokens seen are read and written (a few hundred a row,
+    not the vocabulary): each (row, token) pair is one flat index into the logits, counted
+    once for the whole batch."""
+    vocab = logits.shape[1]
+    answer_keys: list[int] = []
+    seen_keys: list[int] = []
+    for i, r in enumerate(rows):
+        if not r.params.penalized:
+            continue
+        base = i * vocab
+        answer = [base + t for t in r.token_ids[r.num_prompt_tokens :] if t < vocab]
+        answer_keys += answer
         if r.params.repetition_penalty != 1.0:
-            prompt = [t for t in r.token_ids[: r.num_prompt_tokens] if t < vocab]
-            prompt_rows += [j] * len(prompt)
-            prompt_ids += prompt
-    sub = logits[torch.tensor(picked, device=device)]  # [P, V], a copy
-    counts = torch.zeros_like(sub)
-    if answer_ids:
-        index = (torch.tensor(answer_rows, device=device), torch.tensor(answer_ids, device=device))
-        counts.index_put_(index, torch.ones(len(answer_ids), device=device), accumulate=True)
-    seen = counts > 0
-    if prompt_ids:
-        seen[torch.tensor(prompt_rows, device=device), torch.tensor(prompt_ids, device=device)] = (
-            True
-        )
+            seen_keys += answer
+            seen_keys += [base + t for t in r.token_ids[: r.num_prompt_tokens] if t < vocab]
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat = out.view(-1)
+    device = logits.device
 
-    def column(name: str) -> torch.Tensor:
-        values = [getattr(rows[i].params, name) for i in picked]
-        return torch.tensor(values, device=device, dtype=sub.dtype)[:, None]  # [P, 1]
+    def per_key(name: str, keys: torch.Tensor) -> torch.Tensor:
+        by_row = torch.tensor([getattr(r.params, name) for r in rows], dtype=out.dtype)
+        return by_row.to(device)[keys // vocab]
 
-    repetition = column("repetition_penalty")
-    repeated = torch.where(sub > 0, sub / repetition, sub * repetition)
-    sub = torch.where(seen, repeated, sub)
-    present = (counts > 0).to(sub.dtype)
-    sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * present
-    out = logits.clone()
-    out[torch.tensor(picked, device=device)] = sub
+    if seen_keys:
+        seen = torch.unique(torch.tensor(seen_keys, dtype=torch.int64, device=device))
+        values, repetition = flat[seen], per_key("repetition_penalty", seen)
+        flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    if answer_keys:
+        answers = torch.tensor(answer_keys, dtype=torch.int64, device=device)
+        keys, counts = torch.unique(answers, return_counts=True)
+        penalty = per_key("frequency_penalty", keys) * counts + per_key("presence_penalty", keys)
+        flat.index_add_(0, keys, -penalty)
     return out
 
 
