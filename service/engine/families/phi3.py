@@ -32,15 +32,20 @@ def phi3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     return hf_args(config, sliding_window=hf_sliding_window(config))
 
 
+# Ours <- (Hugging Face's, llama.cpp's) name of each tensor of a layer. llama.cpp keeps both
+# fusions as Hugging Face has them: `ffn_up` is [gate; up].
+_LAYER_NAMES = {
+    "attn_norm.weight": ("input_layernorm.weight", "attn_norm.weight"),
+    "attn.qkv.weight": ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+    "attn.o_proj.weight": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "mlp_norm.weight": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "mlp.gate_up.weight": ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+    "mlp.down.weight": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+
+
 def phi3_hf_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
-    return {
-        "attn_norm.weight": take("input_layernorm.weight"),
-        "attn.qkv.weight": take("self_attn.qkv_proj.weight"),
-        "attn.o_proj.weight": take("self_attn.o_proj.weight"),
-        "mlp_norm.weight": take("post_attention_layernorm.weight"),
-        "mlp.gate_up.weight": take("mlp.gate_up_proj.weight"),
-        "mlp.down.weight": take("mlp.down_proj.weight"),
-    }
+    return {ours: take(hf) for ours, (hf, _) in _LAYER_NAMES.items()}
 
 
 def phi3_gguf_args(gguf: GGUFSource) -> ModelArgs:
@@ -51,15 +56,7 @@ def phi3_gguf_args(gguf: GGUFSource) -> ModelArgs:
 
 
 def phi3_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
-    # llama.cpp keeps both fusions as Hugging Face has them: `ffn_up` is [gate; up].
-    return {
-        "attn_norm.weight": take("attn_norm.weight"),
-        "attn.qkv.weight": take("attn_qkv.weight"),
-        "attn.o_proj.weight": take("attn_output.weight"),
-        "mlp_norm.weight": take("ffn_norm.weight"),
-        "mlp.gate_up.weight": take("ffn_up.weight"),
-        "mlp.down.weight": take("ffn_down.weight"),
-    }
+    return {ours: take(gguf) for ours, (_, gguf) in _LAYER_NAMES.items()}
 
 
 FAMILY = Family(
