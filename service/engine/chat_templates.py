@@ -32,11 +32,10 @@ GEMMA = """{{ bos_token }}
 {%- endif -%}
 """
 
+_GEMMA_MARKERS = ("<start_of_turn>", "<end_of_turn>")
 # architecture -> (template, the tokens it needs)
 _BUILTIN: dict[str, tuple[str, tuple[str, ...]]] = {
-    "gemma3": (GEMMA, ("<start_of_turn>", "<end_of_turn>")),
-    "gemma2": (GEMMA, ("<start_of_turn>", "<end_of_turn>")),
-    "gemma": (GEMMA, ("<start_of_turn>", "<end_of_turn>")),
+    arch: (GEMMA, _GEMMA_MARKERS) for arch in ("gemma", "gemma2", "gemma3")
 }
 
 
