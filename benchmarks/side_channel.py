@@ -214,20 +214,19 @@ async def wait_idle(http: str, timeout_s: float = 10.0) -> None:
 async def probe_all(
     url: str, num_probes: int, secret_words: int, seed: int, target: str = "message"
 ) -> list[Probe]:
-    if target == "system-prefix":
-        return await probe_system_prefixes(url, num_probes, secret_words, seed)
     rng = random.Random(seed)
     kinds = [True] * (num_probes // 2) + [False] * (num_probes - num_probes // 2)
     rng.shuffle(kinds)
     http = http_base(url)
-    for _ in range(3):  # warm up; the system prompt's blocks are cached from here on
-        await first_turn(url, SYSTEM, random_text(rng, secret_words))
+    if target == "message":
+        for _ in range(3):  # warm up; the system prompt's blocks are cached from here on
+            await first_turn(url, SYSTEM, random_text(rng, secret_words))
     probes = []
     for is_hit in kinds:
-        secret = random_text(rng, secret_words)
-        await first_turn(url, SYSTEM, secret)  # the victim
+        victim, attacker = probe_turns(target, rng, secret_words, is_hit)
+        await first_turn(url, *victim)
         await wait_idle(http)
-        answer = await first_turn(url, SYSTEM, secret if is_hit else random_text(rng, secret_words))
+        answer = await first_turn(url, *attacker)
         usage, ttft = answer.usage, answer.timing.ttft_s
         assert ttft is not None, "a one-token answer has a first token"
         probes.append(
@@ -236,30 +235,21 @@ async def probe_all(
     return probes
 
 
-async def probe_system_prefixes(
-    url: str, num_probes: int, secret_words: int, seed: int
-) -> list[Probe]:
-    """The victim's secret in its system prompt; the attacker's system prompt shares its first
-    half (a hit) or not (a miss), then goes on with words of its own."""
-    rng = random.Random(seed)
-    kinds = [True] * (num_probes // 2) + [False] * (num_probes - num_probes // 2)
-    rng.shuffle(kinds)
-    http = http_base(url)
+def probe_turns(
+    target: str, rng: random.Random, secret_words: int, is_hit: bool
+) -> tuple[tuple[str, str], tuple[str, str]]:
+    """The victim's and the attacker's first turns, (system prompt, message) each. `message`:
+    the secret is the victim's message, the attacker sends it (a hit) or fresh text.
+    `system-prefix`: the secret ends the victim's system prompt; the attacker's shares its
+    first half (a hit) or not (a miss), then goes on with words of its own."""
+    secret = random_text(rng, secret_words)
+    if target == "message":
+        probe = secret if is_hit else random_text(rng, secret_words)
+        return (SYSTEM, secret), (SYSTEM, probe)
     half = secret_words // 2
-    probes = []
-    for is_hit in kinds:
-        secret = random_text(rng, secret_words)
-        await first_turn(url, f"{SYSTEM} {secret}", "Hello.")  # the victim
-        await wait_idle(http)
-        start = secret if is_hit else random_text(rng, secret_words)
-        own = " ".join(start.split()[: half + 1]) + random_text(rng, secret_words - half)[5:]
-        answer = await first_turn(url, f"{SYSTEM} {own}", "Hello.")
-        usage, ttft = answer.usage, answer.timing.ttft_s
-        assert ttft is not None, "a one-token answer has a first token"
-        probes.append(
-            Probe(is_hit, usage.prompt_tokens, usage.cached_tokens, usage.swapped_in_tokens, ttft)
-        )
-    return probes
+    start = secret if is_hit else random_text(rng, secret_words)
+    own = " ".join(start.split()[: half + 1]) + random_text(rng, secret_words - half)[5:]
+    return (f"{SYSTEM} {secret}", "Hello."), (f"{SYSTEM} {own}", "Hello.")
 
 
 def report(label: str, server_args: list[str], probes: list[Probe]) -> Report:
