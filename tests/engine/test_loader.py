@@ -78,16 +78,29 @@ def test_default_model_answers_with_paris(smollm2: LoadedModel) -> None:
 
 
 @pytest.mark.real_model
-def test_default_model_answers_with_paris_from_bf16_weights() -> None:
-    """The CPU mode dtype auto picks on bf16-capable CPUs: bf16 matmul weights, fp32 rest."""
+def test_bf16_weights_follow_the_fp32_answer(smollm2: LoadedModel) -> None:
+    """The CPU mode dtype auto picks on bf16-capable CPUs: bf16 matmul weights, fp32 rest.
+
+    Scored on the fp32 model's greedy answer (teacher-forced), not by generating: bf16
+    rounding differs by CPU and by thread count (oneDNN blocks the matmul differently), and at
+    one near-tie a free continuation forks for good (an Intel Xeon at 1 thread answered
+    "L'Étoile, la Marseillaise, ..."); per position the two must still agree.
+    """
     mixed = load_model(None, torch.float32, CPU, weight_dtype=torch.bfloat16)
     assert mixed.model.embed_tokens.weight.dtype == torch.bfloat16
     tok = mixed.tokenizer
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
-    out = greedy_generate(mixed.model, prompt, 30, stop=tok.eos_token_ids)
-    assert "Paris" in tok.decode(out)
+    answer = greedy_generate(smollm2.model, prompt, 30, stop=tok.eos_token_ids)
+    assert "Paris" in tok.decode(answer)
+    tokens = prompt + answer
+    with torch.inference_mode():
+        attention = ContiguousAttention(mixed.args.num_layers)
+        hidden = mixed.model(torch.tensor(tokens), torch.arange(len(tokens)), attention)
+        picks = mixed.model.compute_logits(hidden[len(prompt) - 1 : -1]).argmax(-1).tolist()
+    agree = sum(p == a for p, a in zip(picks, answer, strict=True))
+    assert agree >= len(answer) - 1, (tok.decode(picks), tok.decode(answer))
 
 
 def _llama_cpp_permute(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
