@@ -127,7 +127,7 @@ def _measure(running: list[Sequence], bs: int, final_len: dict[int, int], t: Rep
         used += min(computed, len(table) * bs)
         ever += min(final, len(table) * bs)
         for i, block in enumerate(table):
-            if block.ref_count == 1:
+            if block is None or block.ref_count == 1:
                 continue
             now_i = min(bs, max(0, computed - i * bs))
             ever_i = min(bs, max(0, final - i * bs))

@@ -35,6 +35,9 @@ NOTE (copy-on-write): sequences forked from one another share every block, the p
   write can hit while shared is that partial last block: it is copied first.
 NOTE (op order): ops must run in the order issued. A slot freed by one op may be the target
   of a later op in the same step.
+NOTE (passed blocks): a table entry may be None: a block its sequence no longer reads, released
+  early (`release_leading`; the sliding-window layers' group, service/engine/window_blocks.py).
+  Every walk over a table skips those entries; positions keep their indices.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class BlockOp:
     src: int
     dst: int  # -1 for SAVE ops: they write no slot
     block_hash: int | None = None  # SAVE ops: the key the tier stores the block under
+    group: int = 0  # the layer group whose pools the op moves (KVGroup)
 
 
 @dataclass(slots=True, eq=False)
@@ -97,15 +101,21 @@ class PrefixHit:
 
     NOTE: where the blocks were found is counted at lookup: `allocate` swaps the CPU ones in,
     after which every block says DEVICE, and usage reports read the hit after allocation.
+
+    A model with sliding-window layers finds a hit per layer group (service/engine/
+    window_blocks.py): `window` is the window group's part, whose first `passed` blocks the
+    window no longer sees and which are not held (`blocks` holds the rest).
     """
 
     blocks: tuple[Block, ...] = ()
     block_size: int = 0
     num_cpu_blocks: int = 0
+    passed: int = 0
+    window: PrefixHit | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return (self.passed + len(self.blocks)) * self.block_size
 
     @property
     def num_device_tokens(self) -> int:
@@ -114,6 +124,11 @@ class PrefixHit:
     @property
     def num_cpu_tokens(self) -> int:
         return self.num_cpu_blocks * self.block_size
+
+
+def _held(table: Iterable[Block | None]) -> Iterable[Block]:
+    """A table's entries that hold a block (the NOTE on passed blocks)."""
+    return (block for block in table if block is not None)
 
 
 def _check(holds: bool, what: str) -> None:
@@ -170,12 +185,20 @@ class PagedSequence(Protocol):
     """A sequence as the block manager sees it (service.engine.sequence.Sequence): its
     tokens, how many have K/V, and the block table and hashes it keeps for the manager."""
 
-    token_ids: list[int]
     num_computed_tokens: int
-    cache_scope: CacheScope | None
-    block_table: list[Block]
-    block_hashes: list[int]
     num_registered_blocks: int
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def cache_scope(self) -> CacheScope | None: ...
+
+    @property
+    def block_table(self) -> list[Block | None]: ...  # None: released early (passed blocks)
+
+    @property
+    def block_hashes(self) -> list[int]: ...
 
     @property
     def num_tokens(self) -> int: ...
@@ -270,13 +293,18 @@ class BlockManager:
         return PrefixHit(tuple(hits), self.block_size, num_cpu)
 
     def can_allocate(
-        self, seq: PagedSequence, hit: PrefixHit, num_new_tokens: int, num_loaded: int = 0
+        self,
+        seq: PagedSequence,
+        hit: PrefixHit,
+        num_new_tokens: int,
+        num_loaded: int = 0,
     ) -> bool:
         """Whether `seq` (holding no blocks) can take its prefix hit, `num_loaded` blocks from
         the third tier after it, and its first chunk."""
         assert not seq.block_table, "can_allocate is for sequences holding no blocks"
         loaded_tokens = num_loaded * self.block_size
-        needed = self._blocks_to_cover(hit.num_tokens + loaded_tokens + num_new_tokens)
+        end = hit.num_tokens + loaded_tokens + num_new_tokens
+        needed = self._blocks_to_cover(end) - hit.passed
         device_hits = [b for b in hit.blocks if b.tier is Tier.DEVICE]
         # Claiming a cached device hit takes it off the evictable list.
         evictable_hits = sum(b.ref_count == 0 for b in device_hits)
@@ -294,12 +322,13 @@ class BlockManager:
     ) -> None:
         """Give `seq` its prefix hit, then the blocks `loaded` from the third tier (their
         hashes: the blocks right after the hit), and the blocks for its first `num_new_tokens`
-        tokens.
+        tokens. A hit's `passed` positions are left None in the table.
 
         `count_lookup=False` keeps the lookup out of the prefix-cache statistics (the engine's
         own prefill-only requests, tail prefills, are not user traffic).
         """
         assert self.can_allocate(seq, hit, num_new_tokens, len(loaded))
+        assert not (loaded and hit.passed), "the third tier loads only into whole tables"
         assert list(loaded) == seq.block_hashes[len(hit.blocks) : len(hit.blocks) + len(loaded)]
         # Claim every hit before taking any slot: swapping one CPU hit in may evict a device
         # block to the CPU pool, whose LRU victim must not be a hit not yet claimed.
@@ -308,6 +337,7 @@ class BlockManager:
         for block in hit.blocks:
             if block.tier is Tier.CPU:
                 self._move_to_device(block)
+        seq.block_table.extend([None] * hit.passed)
         seq.block_table.extend(hit.blocks)
         for _ in loaded:
             block = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
@@ -317,7 +347,7 @@ class BlockManager:
             seq.block_table.append(block)
         computed = hit.num_tokens + len(loaded) * self.block_size
         seq.num_computed_tokens = computed
-        seq.num_registered_blocks = len(hit.blocks)
+        seq.num_registered_blocks = hit.passed + len(hit.blocks)
         if count_lookup:
             self._counters.prefix_queries += seq.num_tokens
             self._counters.prefix_hits += hit.num_device_tokens
@@ -336,6 +366,7 @@ class BlockManager:
         assert self.can_append(seq, num_new_tokens)
         if seq.num_computed_tokens % self.block_size:
             last = seq.block_table[seq.num_computed_tokens // self.block_size]
+            assert last is not None, "a partial block is never passed"
             if last.ref_count > 1:
                 self._copy_on_write(seq, seq.num_computed_tokens // self.block_size)
         end = seq.num_computed_tokens + num_new_tokens
@@ -346,13 +377,14 @@ class BlockManager:
         """`child` shares all of `parent`'s blocks (paged); contiguous mode copies them."""
         assert not child.block_table
         if self.mode is AllocationMode.PAGED:
-            for block in parent.block_table:
+            for block in _held(parent.block_table):
                 block.ref_count += 1
             child.block_table.extend(parent.block_table)
             return
         self._grow(child, self.max_model_len)
         used = -(-parent.num_computed_tokens // self.block_size)  # not the whole reservation
         for src, dst in zip(parent.block_table[:used], child.block_table, strict=False):
+            assert src is not None and dst is not None, "contiguous tables pass no blocks"
             self._ops.append(BlockOp(OpKind.COPY, src.slot, dst.slot))
             self._counters.copied += 1
 
@@ -367,31 +399,42 @@ class BlockManager:
         """Release all of `seq`'s blocks. Hashed blocks stay cached until their room is needed."""
         # Reverse order: a prompt's tail is evicted before its head, which other prompts share.
         for block in reversed(seq.block_table):
-            self._release(block)
+            if block is not None:
+                self._release(block)
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+
+    def release_leading(self, seq: PagedSequence, num_blocks: int) -> None:
+        """Release the table's first `num_blocks` entries, which `seq` reads no more; their
+        positions stay, as None (the NOTE on passed blocks). Hashed ones stay cached."""
+        table = seq.block_table
+        for i in range(min(num_blocks, len(table))):
+            block = table[i]
+            if block is not None:
+                self._release(block)
+                table[i] = None
 
     # ------------------------------------------------------------------ preemption by swap
 
     def can_swap_out(self, seq: PagedSequence) -> bool:
-        private = sum(b.ref_count == 1 and b.tier is Tier.DEVICE for b in seq.block_table)
+        private = sum(b.ref_count == 1 and b.tier is Tier.DEVICE for b in _held(seq.block_table))
         return private <= self._cpu.available
 
     def swap_out(self, seq: PagedSequence) -> None:
         """Move `seq`'s private blocks to the CPU pool; blocks it shares stay on the device."""
         assert self.can_swap_out(seq)
-        for block in seq.block_table:
+        for block in _held(seq.block_table):
             if block.ref_count == 1 and block.tier is Tier.DEVICE:
                 self._move_to_cpu(block)
 
     def can_swap_in(self, seq: PagedSequence, num_new_tokens: int) -> bool:
-        on_cpu = sum(b.tier is Tier.CPU for b in seq.block_table)
+        on_cpu = sum(b.tier is Tier.CPU for b in _held(seq.block_table))
         return on_cpu + self._blocks_needed_to_append(seq, num_new_tokens) <= (
             self._device.available
         )
 
     def swap_in(self, seq: PagedSequence) -> None:
-        for block in seq.block_table:
+        for block in _held(seq.block_table):
             if block.tier is Tier.CPU:
                 self._move_to_device(block)
 
@@ -428,6 +471,16 @@ class BlockManager:
             else:
                 states[slot] = SlotState.IN_USE if block.ref_count == 1 else SlotState.SHARED
         return states
+
+    def cached_blocks(self, hashes: Iterable[int]) -> list[Block] | None:
+        """The blocks under every one of `hashes`, on either tier; None if one is missing."""
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
 
     def tier_of(self, block_hash: int) -> Tier | None:
         """Where the block with this content hash is now, if it is anywhere."""
@@ -473,7 +526,7 @@ class BlockManager:
         if live is not None:
             refs: dict[int, int] = {}
             for seq in live:
-                for block in seq.block_table:
+                for block in _held(seq.block_table):
                     refs[id(block)] = refs.get(id(block), 0) + 1
                     held = self._pool(block.tier).held.get(block.slot)
                     _check(held is block, "a table lists a released or misplaced block")
@@ -495,8 +548,10 @@ class BlockManager:
         end = seq.num_computed_tokens + num_new_tokens
         needed = max(0, self._blocks_to_cover(end) - len(seq.block_table))
         start = seq.num_computed_tokens
-        if start % self.block_size and seq.block_table[start // self.block_size].ref_count > 1:
-            needed += 1
+        if start % self.block_size:
+            last = seq.block_table[start // self.block_size]
+            assert last is not None, "a partial block is never passed"
+            needed += last.ref_count > 1
         return needed
 
     def _grow(self, seq: PagedSequence, num_tokens: int) -> None:
@@ -507,6 +562,7 @@ class BlockManager:
 
     def _copy_on_write(self, seq: PagedSequence, index: int) -> None:
         shared = seq.block_table[index]
+        assert shared is not None, "a partial block is never passed"
         copy = Block(Tier.DEVICE, self._take_slot(self._device), ref_count=1)
         self._device.held[copy.slot] = copy
         self._ops.append(BlockOp(OpKind.COPY, shared.slot, copy.slot))
@@ -590,7 +646,7 @@ class BlockManager:
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             block = seq.block_table[i]
-            if block.block_hash is not None:
+            if block is None or block.block_hash is not None:
                 continue
             h = seq.block_hashes[i]
             # Two prompts that computed the same block before either was registered (one

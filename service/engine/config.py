@@ -150,6 +150,13 @@ class EngineConfig:
         "paged: blocks taken on demand | contiguous: `max_model_len` reserved per sequence at"
         " admission, as a pre-paging server would (kept for side-by-side benchmarks)",
     )
+    window_pools: bool = setting(
+        True,
+        "a model with full-attention and sliding-window layers side by side (Gemma 2 / 3) keeps"
+        " the windowed layers' K/V in pools of their own, each sequence releasing their blocks"
+        " as its window passes them (service/engine/window_blocks.py); off, or with a third"
+        " tier: one pool holds every layer's K/V of every position",
+    )
     cache_salt: str = setting(
         "",
         "part of every block hash's namespace: engines (and the page maps they write) with"

@@ -19,6 +19,10 @@ padded forward runs is its subclasses' part:
 
 The graph covers the layers (where the launches are); the LM head runs after it, eagerly, over
 the real rows only, so no graph holds a [size, vocab] output of its own.
+
+Where the sliding-window layers keep pools of their own (service/engine/window_blocks.py), the
+buffers hold a second slot mapping and block tables for them; their padding rows use the window
+pools' scratch block.
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from kernels.metadata import AttentionMetadata
 from service.engine.config import EngineConfig
-from service.engine.runner import ModelRunner, StepInputs
+from service.engine.runner import ModelRunner, StepInputs, table_slots
 from service.engine.scheduler import StepBatch
 
 log = logging.getLogger(__name__)
@@ -85,19 +89,27 @@ class DecodeRows:
     slots: list[int]  # cache slot of each new token
     seq_lens: list[int]  # context length after the step
     tables: list[list[int]]  # each sequence's block slots
+    # The window layers' slots and tables, where they have pools of their own.
+    window_slots: list[int] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, batch: StepBatch, block_size: int) -> DecodeRows:
+    def of(cls, batch: StepBatch, block_size: int, window_scratch: int | None) -> DecodeRows:
+        """`window_scratch`: the window pools' scratch block, where they exist."""
         rows = cls([], [], [], [], [])
         for chunk in batch.chunks:
             seq = chunk.seq
             pos = seq.num_computed_tokens  # the one token this step computes
-            table = [b.slot for b in seq.block_table]
+            table = table_slots(seq.block_table, 0)
             rows.input_ids.append(seq.token_ids[pos])
             rows.positions.append(pos)
             rows.slots.append(table[pos // block_size] * block_size + pos % block_size)
             rows.seq_lens.append(pos + 1)
             rows.tables.append(table)
+            if window_scratch is not None:
+                window = table_slots(seq.window_block_table, window_scratch)
+                rows.window_slots.append(window[pos // block_size] * block_size + pos % block_size)
+                rows.window_tables.append(window)
         return rows
 
 
@@ -113,14 +125,20 @@ class DecodeBuffers:
         scratch_block: int,
         block_size: int,
         device: torch.device,
+        window_scratch_block: int | None = None,
     ) -> None:
         self.scratch_block = scratch_block
         self.scratch_slot = scratch_block * block_size
-        # Ids, positions, slots and context lengths travel in one host-to-device copy.
-        self.vectors = torch.zeros(4, max_batch, dtype=torch.int64, device=device)  # [4, B]
+        self.window_scratch_block = window_scratch_block
+        window_scratch = scratch_block if window_scratch_block is None else window_scratch_block
+        self.window_scratch_slot = window_scratch * block_size
+        # Ids, positions, slots (both groups') and context lengths travel in one
+        # host-to-device copy.
+        self.vectors = torch.zeros(5, max_batch, dtype=torch.int64, device=device)  # [5, B]
         self.input_ids = self.vectors[0]  # [B]
         self.positions = self.vectors[1]  # [B]
         self.slot_mapping = self.vectors[2]  # [B]
+        self.window_slot_mapping = self.vectors[4]  # [B]: unused with one group
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # [B]
         self.query_start_loc = torch.arange(  # one query token per row: fixed
             max_batch + 1, dtype=torch.int32, device=device
@@ -129,6 +147,10 @@ class DecodeBuffers:
             (max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )  # [B, W]
         self.vectors[2].fill_(self.scratch_slot)
+        self.vectors[4].fill_(self.window_scratch_slot)
+        self.window_block_tables = None
+        if window_scratch_block is not None:
+            self.window_block_tables = torch.full_like(self.block_tables, window_scratch_block)
         self.sample_rows = torch.arange(max_batch, dtype=torch.int64, device=device)  # [B]
 
     @property
@@ -143,23 +165,36 @@ class DecodeBuffers:
         if pad < 0 or size > self.max_batch:
             raise ValueError(f"{len(rows.input_ids)} rows do not fit a batch of {size}")
         seq_lens = rows.seq_lens + [1] * pad
+        window_slots = rows.window_slots or rows.slots
         host = torch.tensor(
             [
                 rows.input_ids + [0] * pad,
                 rows.positions + [0] * pad,
                 rows.slots + [self.scratch_slot] * pad,
                 seq_lens,
+                window_slots + [self.window_scratch_slot] * pad,
             ],
             dtype=torch.int64,
-        )  # [4, size]
+        )  # [5, size]
         self.vectors[:, :size].copy_(host)
         self.seq_lens[:size].copy_(self.vectors[3, :size])
         width = max(len(t) for t in rows.tables) if rows.tables else 1
-        scratch = self.scratch_block
-        tables = [t + [scratch] * (width - len(t)) for t in rows.tables]
-        tables += [[scratch] * width] * pad
-        self.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        _fill_tables(self.block_tables, rows.tables, size, width, self.scratch_block)
+        if self.window_block_tables is not None:
+            assert self.window_scratch_block is not None
+            _fill_tables(
+                self.window_block_tables, rows.window_tables, size, width, self.window_scratch_block
+            )
         return seq_lens
+
+
+def _fill_tables(
+    out: torch.Tensor, tables: list[list[int]], size: int, width: int, scratch: int
+) -> None:
+    """Rows [0, size) of `out` [B, W]: `tables` padded with `scratch`, then padding rows."""
+    padded = [t + [scratch] * (width - len(t)) for t in tables]
+    padded += [[scratch] * width] * (size - len(tables))
+    out[:size, :width].copy_(torch.tensor(padded, dtype=torch.int32))
 
 
 @dataclass(slots=True)
@@ -182,12 +217,14 @@ class DecodeGraphs(abc.ABC):
         self.sizes = tuple(sorted(set(sizes)))
         self.max_model_len = max_model_len
         block_size = runner.block_size
+        self.window_scratch = runner.pools[1].scratch_block if len(runner.pools) > 1 else None
         self.buffers = DecodeBuffers(
             self.sizes[-1],
             -(-max_model_len // block_size),
             scratch_block=runner.scratch_block,
             block_size=block_size,
             device=runner.device,
+            window_scratch_block=self.window_scratch,
         )
         self.replays = 0  # decode steps that ran through the buffers
         self.padding_rows = 0  # rows those steps padded, in all
@@ -210,7 +247,8 @@ class DecodeGraphs(abc.ABC):
         if num_seqs is None or size is None:
             return self.runner.prepare(batch)
         self.runner.apply_block_ops(batch.block_ops, batch.loaded)
-        seq_lens = self.buffers.fill(DecodeRows.of(batch, self.runner.block_size), size)
+        rows = DecodeRows.of(batch, self.runner.block_size, self.window_scratch)
+        seq_lens = self.buffers.fill(rows, size)
         return DecodeStep(num_seqs=num_seqs, size=size, seq_lens_host=seq_lens)
 
     @torch.inference_mode()
@@ -225,21 +263,31 @@ class DecodeGraphs(abc.ABC):
 
     def _inputs(self, size: int, seq_lens_host: list[int]) -> StepInputs:
         b = self.buffers
-        meta = AttentionMetadata(
-            slot_mapping=b.slot_mapping[:size],
-            query_start_loc=b.query_start_loc[: size + 1],
-            seq_lens=b.seq_lens[:size],
-            block_tables=b.block_tables[:size],
-            block_size=self.runner.block_size,
-            query_lens_host=[1] * size,
-            seq_lens_host=seq_lens_host,
-        )
+
+        def meta(slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=slot_mapping[:size],
+                query_start_loc=b.query_start_loc[: size + 1],
+                seq_lens=b.seq_lens[:size],
+                block_tables=block_tables[:size],
+                block_size=self.runner.block_size,
+                query_lens_host=[1] * size,
+                seq_lens_host=seq_lens_host,
+            )
+
+        full = meta(b.slot_mapping, b.block_tables)
+        window = None
+        if b.window_block_tables is not None:
+            window = meta(b.window_slot_mapping, b.window_block_tables)
+        backend = self.runner.backend
         return StepInputs(
             input_ids=b.input_ids[:size],
             positions=b.positions[:size],
-            meta=meta,
-            plan=self.runner.backend.plan(meta),
+            meta=full,
+            plan=backend.plan(full),
             sample_rows=b.sample_rows[:size],
+            window_meta=window,
+            window_plan=None if window is None else backend.plan(window),
         )
 
     @abc.abstractmethod
@@ -303,13 +351,16 @@ class CudaDecodeGraphs(DecodeGraphs):
         """A plan that converted an index tensor holds a copy frozen at capture: replays
         would read stale lengths and tables. The Triton plan keeps int32 contiguous inputs
         as they are; check that it did."""
-        meta, plan = inputs.meta, inputs.plan
-        for name in ("query_start_loc", "seq_lens", "block_tables"):
-            planned = getattr(plan, name, None)
-            if not isinstance(planned, torch.Tensor):
-                raise TypeError(f"{type(plan).__name__} has no {name} tensor to capture")
-            if planned.data_ptr() != getattr(meta, name).data_ptr():
-                raise RuntimeError(f"the attention plan copied {name}: a graph would freeze it")
+        pairs = [(inputs.meta, inputs.plan)]
+        if inputs.window_meta is not None:
+            pairs.append((inputs.window_meta, inputs.window_plan))
+        for meta, plan in pairs:
+            for name in ("query_start_loc", "seq_lens", "block_tables"):
+                planned = getattr(plan, name, None)
+                if not isinstance(planned, torch.Tensor):
+                    raise TypeError(f"{type(plan).__name__} has no {name} tensor to capture")
+                if planned.data_ptr() != getattr(meta, name).data_ptr():
+                    raise RuntimeError(f"the attention plan copied {name}: a graph would freeze it")
 
 
 def make_step_runner(

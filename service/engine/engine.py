@@ -47,6 +47,12 @@ from service.engine.values import (
     StepTiming,
     Tier,
 )
+from service.engine.window_blocks import (
+    LayerGroups,
+    PoolSizes,
+    WindowedBlockManager,
+    pool_sizes,
+)
 
 LOAD_POLL_S = 0.05  # an engine waiting only on tier loads still takes commands this often
 
@@ -91,11 +97,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, loaded.args.max_position_embeddings)
         loaded.model.ensure_positions(self.max_model_len)
         namespace = f"{loaded.model_id}|{config.cache_salt}"
-        num_device, num_cpu = self._pool_sizes(loaded.args)
         self.kv_tier = self._open_tier(loaded.args, namespace)
-        self.scheduler = self._build_scheduler(num_device, num_cpu, namespace)
+        self.window_groups = self._window_groups(loaded.args)
+        sizes = self._pool_sizes(loaded.args)
+        self.scheduler = self._build_scheduler(sizes, namespace)
         self.block_manager = self.scheduler.block_manager
-        self.runner = self._build_runner(loaded, device, num_device, num_cpu)
+        self.runner = self._build_runner(loaded, device, sizes)
         # Pure decode steps replay CUDA graphs where they can; every other step the runner.
         self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
         self.sampler = Sampler(device, config.seed)
@@ -106,22 +113,46 @@ class LLMEngine:
         self._tokens_generated = 0
         self._timing = StepTiming()
 
-    def _pool_sizes(self, args: ModelArgs) -> tuple[int, int]:
-        """The device and CPU pools' blocks: given, or what their MiB hold."""
+    def _window_groups(self, args: ModelArgs) -> LayerGroups | None:
+        """The layer split where the windowed layers get pools of their own (see
+        `EngineConfig.window_pools`); None: one pool for every layer."""
         config = self.config
-        block_bytes = ModelRunner.block_bytes(args, config.block_size, self.kv_cache_dtype)
-        num_device = config.num_device_blocks or max(1, (config.kv_cache_mb << 20) // block_bytes)
-        num_cpu = config.num_cpu_blocks
-        if num_cpu is None:
-            num_cpu = (config.swap_space_mb << 20) // block_bytes
+        if not config.window_pools or self.kv_tier is not None:
+            return None
+        if config.allocation is not AllocationMode.PAGED:
+            return None
+        return LayerGroups.of(args.layer_windows)
+
+    def _pool_sizes(self, args: ModelArgs) -> PoolSizes:
+        """Every pool's blocks: given, or what their MiB hold."""
+        config = self.config
+        groups = self.window_groups
+        sizes = pool_sizes(
+            layer_bytes=ModelRunner.block_bytes(args, config.block_size, self.kv_cache_dtype, 1),
+            num_layers=args.num_layers,
+            groups=groups,
+            device_bytes=config.kv_cache_mb << 20,
+            cpu_bytes=config.swap_space_mb << 20,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        if config.num_device_blocks is not None:
+            sizes = dataclasses.replace(
+                sizes, device=config.num_device_blocks, window_device=config.num_device_blocks
+            )
+        if config.num_cpu_blocks is not None:
+            sizes = dataclasses.replace(
+                sizes, cpu=config.num_cpu_blocks, window_cpu=config.num_cpu_blocks
+            )
         if config.allocation is AllocationMode.CONTIGUOUS:
             per_seq = -(-self.max_model_len // config.block_size)
-            if per_seq > num_device:
+            if per_seq > sizes.device:
                 raise ValueError(
                     f"contiguous mode needs {per_seq} blocks per sequence; "
-                    f"the pool has {num_device}"
+                    f"the pool has {sizes.device}"
                 )
-        return num_device, num_cpu
+        return sizes
 
     def _open_tier(self, args: ModelArgs, namespace: str) -> KVTierConnector | None:
         """The third tier, where one is configured. It is keyed by block hash: without the
@@ -133,20 +164,29 @@ class LLMEngine:
         layout = BlockLayout(self.model_id, namespace, self.kv_cache_dtype, shape)
         return KVTierConnector.open(config.kv_tier, layout)
 
-    def _build_scheduler(self, num_device: int, num_cpu: int, namespace: str) -> Scheduler:
-        """The block manager over the pools' slots, and the scheduler over it (with the
-        tier's scheduler side)."""
+    def _build_scheduler(self, sizes: PoolSizes, namespace: str) -> Scheduler:
+        """The block manager over the pools' slots (one per layer group), and the scheduler
+        over it (with the tier's scheduler side)."""
         config = self.config
-        block_manager = BlockManager(
-            num_device,
-            num_cpu,
-            config.block_size,
-            namespace=namespace,
-            enable_prefix_caching=config.enable_prefix_caching,
-            mode=config.allocation,
-            max_model_len=self.max_model_len,
-            save_evicted=self.kv_tier is not None,
-        )
+
+        def manager(num_device: int, num_cpu: int) -> BlockManager:
+            return BlockManager(
+                num_device,
+                num_cpu,
+                config.block_size,
+                namespace=namespace,
+                enable_prefix_caching=config.enable_prefix_caching,
+                mode=config.allocation,
+                max_model_len=self.max_model_len,
+                save_evicted=self.kv_tier is not None,
+            )
+
+        full = manager(sizes.device, sizes.cpu)
+        block_manager: BlockManager | WindowedBlockManager = full
+        if self.window_groups is not None:
+            block_manager = WindowedBlockManager(
+                full, manager(sizes.window_device, sizes.window_cpu), self.window_groups
+            )
         return Scheduler(
             block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -156,7 +196,7 @@ class LLMEngine:
         )
 
     def _build_runner(
-        self, loaded: LoadedModel, device: torch.device, num_device: int, num_cpu: int
+        self, loaded: LoadedModel, device: torch.device, sizes: PoolSizes
     ) -> ModelRunner:
         """The model runner: the pools (tensors), the attention backend, the tier's worker."""
         config = self.config
@@ -164,8 +204,10 @@ class LLMEngine:
             loaded.model,
             loaded.args,
             block_size=config.block_size,
-            num_device_blocks=num_device,
-            num_cpu_blocks=num_cpu,
+            num_device_blocks=sizes.device,
+            num_cpu_blocks=sizes.cpu,
+            window_groups=self.window_groups,
+            num_window_blocks=(sizes.window_device, sizes.window_cpu),
             device=device,
             dtype=self.kv_cache_dtype,
             backend=get_backend(config.attention_backend, device, config.cpu_kernels()),
@@ -302,7 +344,7 @@ class LLMEngine:
                     status=seq.status.value,
                     num_tokens=seq.num_tokens,
                     num_computed_tokens=seq.num_computed_tokens,
-                    blocks=[(block.tier, block.slot) for block in seq.block_table],
+                    blocks=[(b.tier, b.slot) for b in seq.block_table if b is not None],
                 )
                 for seq in live[:max_sequences]
             ],

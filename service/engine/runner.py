@@ -4,7 +4,9 @@ Pools are `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (layer-major
 layer's K and V caches are contiguous for attention; a block move touches every layer with one
 indexing op). The CPU pool is pinned on CUDA so swaps can overlap. The device pool holds one
 block more than the block manager hands out: `scratch_block`, where the padding rows of a
-captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend. With a third
+captured decode batch (service/engine/cuda_graphs.py) write their K/V and attend. A model whose
+sliding-window layers keep blocks of their own (service/engine/window_blocks.py) has a pair of
+pools per layer group, each group its own block tables and slot mapping per step. With a third
 tier (service/engine/kvtier) the runner holds its worker side (`TierWorker`, which it registers
 its pools with) and hands it the step's SAVE ops (blocks about to be dropped) and LOAD ops
 (blocks the tier returned, copied into their device slots).
@@ -19,10 +21,11 @@ import torch
 
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
-from service.engine.blocks import SAVE_KINDS, BlockOp, OpKind
+from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind
 from service.engine.model import LlamaModel, ModelArgs
 from service.engine.scheduler import StepBatch
 from service.engine.values import Tier
+from service.engine.window_blocks import LayerGroups
 
 if TYPE_CHECKING:
     from service.engine.kvtier.connector import TierWorker
@@ -35,6 +38,7 @@ class OpGroup:
     src: list[int]
     dst: list[int]
     hashes: list[int] = field(default_factory=list)  # SAVE groups: each block's key
+    group: int = 0  # the layer group whose pools the ops move (KVGroup)
 
 
 def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
@@ -49,8 +53,9 @@ def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
     for op in ops:
         g = groups[-1] if groups else None
         reads_written = op.kind is OpKind.COPY and op.src in written
-        if g is None or g.kind is not op.kind or op.dst in written or reads_written:
-            g = OpGroup(op.kind, [], [])
+        other_kind = g is None or g.kind is not op.kind or g.group != op.group
+        if g is None or other_kind or op.dst in written or reads_written:
+            g = OpGroup(op.kind, [], [], group=op.group)
             groups.append(g)
             written = set()
         g.src.append(op.src)
@@ -67,10 +72,27 @@ def group_block_ops(ops: list[BlockOp]) -> list[OpGroup]:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # the full-attention layers' (every layer's with one group)
     plan: object  # the attention backend's per-step plan; None where the native stack runs
     sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
     native: bool = False  # every layer in one call of the runner's `decoder_stack`
+    # The sliding-window layers' tables and plan where they have pools of their own.
+    window_meta: AttentionMetadata | None = None
+    window_plan: object = None
+
+
+@dataclass(slots=True)
+class KVPools:
+    """One layer group's pools: `[layers, 2, blocks, bs, Hkv, D]` on the device (a scratch
+    block past the manager's) and on the CPU."""
+
+    layers: tuple[int, ...]  # the model's layers whose K/V these hold, in order
+    device: torch.Tensor
+    cpu: torch.Tensor
+
+    @property
+    def scratch_block(self) -> int:
+        return int(self.device.shape[2]) - 1
 
 
 @dataclass(slots=True)
@@ -79,8 +101,9 @@ class PagedLayerAttention:
 
     caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V [N, bs, Hkv, D]
     backend: AttentionBackend
-    meta: AttentionMetadata
-    plan: object
+    metas: tuple[AttentionMetadata, ...]  # per layer group (KVGroup)
+    plans: tuple[object, ...]
+    layer_groups: tuple[int, ...]  # per layer: its group
     scale: float
     windows: tuple[int | None, ...]  # per layer: its sliding window, or None
 
@@ -89,10 +112,18 @@ class PagedLayerAttention:
     ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         key_cache, value_cache = self.caches[layer]
-        self.backend.write_kv(k, v, key_cache, value_cache, self.meta.slot_mapping)
+        group = self.layer_groups[layer]
+        meta = self.metas[group]
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         return self.backend.attend(
-            q, key_cache, value_cache, self.meta, self.plan, self.scale, self.windows[layer]
+            q, key_cache, value_cache, meta, self.plans[group], self.scale, self.windows[layer]
         )
+
+
+def table_slots(table: list[Block | None], passed_slot: int) -> list[int]:
+    """A block table's physical block ids; `passed_slot` where the window has passed (never
+    read: the window's attention starts after it)."""
+    return [passed_slot if b is None else b.slot for b in table]
 
 
 class ModelRunner:
@@ -109,7 +140,11 @@ class ModelRunner:
         backend: AttentionBackend,
         tier: TierWorker | None = None,
         decode_threads: int = 1,
+        window_groups: LayerGroups | None = None,
+        num_window_blocks: tuple[int, int] = (0, 0),
     ) -> None:
+        """`window_groups`: the layer split where the window layers keep pools of their own,
+        `num_window_blocks` (device, CPU) blocks; None: one pair of pools for every layer."""
         self.model = model
         self.tier = tier  # the third tier's worker side, or None
         self.block_size = block_size
@@ -117,21 +152,42 @@ class ModelRunner:
         self.backend = backend
         self.scale = args.head_dim**-0.5
         self.layer_windows = args.layer_windows
-        shape = (args.num_layers, 2, 0, block_size, args.num_kv_heads, args.head_dim)
+        assert tier is None or window_groups is None, "the third tier keeps one pool"
+
+        def pools(layers: tuple[int, ...], num_device: int, num_cpu: int) -> KVPools:
+            shape = (len(layers), 2, 0, block_size, args.num_kv_heads, args.head_dim)
+            return KVPools(
+                layers,
+                device=torch.zeros(_with_blocks(shape, num_device + 1), dtype=dtype, device=device),
+                cpu=torch.zeros(
+                    _with_blocks(shape, num_cpu), dtype=dtype, pin_memory=device.type == "cuda"
+                ),
+            )
+
+        self.pools: tuple[KVPools, ...]
+        if window_groups is None:
+            self.pools = (pools(tuple(range(args.num_layers)), num_device_blocks, num_cpu_blocks),)
+        else:
+            self.pools = (
+                pools(window_groups.full, num_device_blocks, num_cpu_blocks),
+                pools(window_groups.window, *num_window_blocks),
+            )
+        self.window_groups = window_groups
+        # The full group's pools: every layer's with one group; what the tier registers.
+        self.device_pool, self.cpu_pool = self.pools[0].device, self.pools[0].cpu
         self.scratch_block = num_device_blocks  # never in a block table the manager builds
-        self.device_pool = torch.zeros(
-            _with_blocks(shape, num_device_blocks + 1), dtype=dtype, device=device
-        )
-        self.cpu_pool = torch.zeros(
-            _with_blocks(shape, num_cpu_blocks),
-            dtype=dtype,
-            pin_memory=device.type == "cuda",
-        )
         if tier is not None:
             tier.register_pools(self.device_pool, self.cpu_pool)
-        # Views into the device pool, taken once: indexing the pool per layer and step cost
-        # four ops on the decode hot path. The pool is written in place, never replaced.
-        self.layer_caches = [(layer[0], layer[1]) for layer in self.device_pool.unbind(0)]
+        # Views into the device pools, taken once: indexing a pool per layer and step cost
+        # four ops on the decode hot path. The pools are written in place, never replaced.
+        caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        groups: dict[int, int] = {}
+        for group, pair in enumerate(self.pools):
+            for layer, cache in zip(pair.layers, pair.device.unbind(0), strict=True):
+                caches[layer] = (cache[0], cache[1])
+                groups[layer] = group
+        self.layer_caches = [caches[i] for i in range(args.num_layers)]
+        self.layer_groups = tuple(groups[i] for i in range(args.num_layers))
         # Steps run every layer in one native call where the model can
         # (model.native_decoder_stack): at one row, the torch path's ~25 ops a layer cost
         # about as much as the layer's packed matmuls, and in a prefill chunk a third.
@@ -143,9 +199,13 @@ class ModelRunner:
         return 0 if self.decoder_stack is None else self.decoder_stack.threads
 
     @staticmethod
-    def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    def block_bytes(
+        args: ModelArgs, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+    ) -> int:
+        """One block's bytes over `num_layers` layers (all the model's by default)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return args.num_layers * 2 * block_size * args.num_kv_heads * args.head_dim * itemsize
+        layers = args.num_layers if num_layers is None else num_layers
+        return layers * 2 * block_size * args.num_kv_heads * args.head_dim * itemsize
 
     def apply_block_ops(self, ops: list[BlockOp], loaded: list[LoadedRun]) -> None:
         """Carry out a step's block ops; `loaded` holds the K/V its LOAD ops copy in (required:
@@ -165,12 +225,13 @@ class ModelRunner:
                 continue
             src = torch.tensor(g.src, dtype=torch.int64)
             dst = torch.tensor(g.dst, dtype=torch.int64)
+            pools = self.pools[g.group]
             if g.kind is OpKind.COPY:
-                self.backend.copy_blocks(self.device_pool, src.to(self.device), dst.to(self.device))
+                self.backend.copy_blocks(pools.device, src.to(self.device), dst.to(self.device))
             elif g.kind is OpKind.SWAP_OUT:
-                self.backend.swap_blocks(self.device_pool, self.cpu_pool, src, dst)
+                self.backend.swap_blocks(pools.device, pools.cpu, src, dst)
             else:
-                self.backend.swap_blocks(self.cpu_pool, self.device_pool, src, dst)
+                self.backend.swap_blocks(pools.cpu, pools.device, src, dst)
         if ops and self.device.type == "cuda":
             # Swap-outs read device slots the coming forward may overwrite: finish them first.
             torch.cuda.current_stream(self.device).synchronize()
@@ -181,38 +242,52 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        positions_from: list[int] = []  # each chunk's first position
         for chunk in batch.chunks:
             seq, n = chunk.seq, chunk.num_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            table = [b.slot for b in seq.block_table]
+            positions_from.append(start)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(table)
             query_lens.append(n)
             seq_lens.append(end)
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            block_size=bs,
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-        )
+        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
+        seq_lens_dev = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+
+        def group_meta(tables: list[list[int]]) -> AttentionMetadata:
+            slots = [
+                table[p // bs] * bs + p % bs
+                for table, start, end in zip(tables, positions_from, seq_lens, strict=True)
+                for p in range(start, end)
+            ]
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            return AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_dev,
+                block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+                block_size=bs,
+                query_lens_host=query_lens,
+                seq_lens_host=seq_lens,
+            )
+
+        meta = group_meta([table_slots(c.seq.block_table, 0) for c in batch.chunks])
+        window_meta = None
+        if len(self.pools) > 1:
+            scratch = self.pools[1].scratch_block
+            window_meta = group_meta(
+                [table_slots(c.seq.window_block_table, scratch) for c in batch.chunks]
+            )
         native = self._runs_natively(query_lens, seq_lens)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -221,6 +296,8 @@ class ModelRunner:
             plan=None if native else self.backend.plan(meta),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             native=native,
+            window_meta=window_meta,
+            window_plan=None if window_meta is None else self.backend.plan(window_meta),
         )
 
     def _runs_natively(self, query_lens: list[int], seq_lens: list[int]) -> bool:
@@ -246,11 +323,16 @@ class ModelRunner:
             return self.model.forward_natively(
                 inputs.input_ids, inputs.positions, self.decoder_stack, inputs.meta
             )
+        metas: tuple[AttentionMetadata, ...] = (inputs.meta,)
+        plans: tuple[object, ...] = (inputs.plan,)
+        if inputs.window_meta is not None:
+            metas, plans = (inputs.meta, inputs.window_meta), (inputs.plan, inputs.window_plan)
         attention = PagedLayerAttention(
             caches=self.layer_caches,
             backend=self.backend,
-            meta=inputs.meta,
-            plan=inputs.plan,
+            metas=metas,
+            plans=plans,
+            layer_groups=self.layer_groups,
             scale=self.scale,
             windows=self.layer_windows,
         )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from service.engine.blocks import BlockManager, BlockOp
 from service.engine.config import PreemptionMode
 from service.engine.sequence import Sequence, SequenceStatus
+from service.engine.window_blocks import WindowedBlockManager
 
 if TYPE_CHECKING:
     from service.engine.kvtier.connector import TierScheduler
@@ -79,7 +80,7 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BlockManager | WindowedBlockManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,

@@ -1,7 +1,8 @@
 """A sequence: the token ids of one sample of one request, and the KV blocks that hold them.
 
-NOTE: `block_table` is owned by the sequence but only the block manager mutates it; the
-scheduler moves sequences between queues; the engine appends sampled tokens.
+NOTE: `block_table` (and `window_block_table`) are owned by the sequence but only the block
+manager mutates them; the scheduler moves sequences between queues; the engine appends sampled
+tokens.
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # Tokens whose K/V are in the cache; the rest are computed by upcoming steps.
     num_computed_tokens: int = 0
-    block_table: list[Block] = field(default_factory=list)
+    block_table: list[Block | None] = field(default_factory=list)
     # Chain hash of every full block scheduled so far (the block manager extends it).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks whose hashes the block manager has seen
+    # The sliding-window layers' own table, where they have a pool of their own
+    # (service/engine/window_blocks.py); None where their window has passed.
+    window_block_table: list[Block | None] = field(default_factory=list)
+    num_window_registered_blocks: int = 0
     # Where the prompt's tokens came from at (re)admission, for usage reports.
     num_cached_tokens: int = 0  # prefix-cache hits on the device
     num_swapped_in_tokens: int = 0  # prefix-cache hits brought back from the CPU pool
@@ -98,6 +103,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
             num_registered_blocks=self.num_registered_blocks,
+            num_window_registered_blocks=self.num_window_registered_blocks,
             num_cached_tokens=self.num_cached_tokens,
             num_swapped_in_tokens=self.num_swapped_in_tokens,
             num_loaded_tokens=self.num_loaded_tokens,

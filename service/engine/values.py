@@ -168,6 +168,10 @@ class BlockStats:
     blocks_swapped_in: int
     blocks_copied: int  # copy-on-write
     blocks_dropped: int  # cached content lost for lack of room
+    # A model with sliding-window layers keeps theirs in pools of their own
+    # (service/engine/window_blocks.py); `device` and `cpu` are then the full-attention layers'.
+    window_device: PoolUsage | None = None
+    window_cpu: PoolUsage | None = None
 
 
 @dataclass(slots=True)

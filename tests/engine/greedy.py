@@ -7,6 +7,7 @@ differ by less than NEAR_TIE, and nowhere else; the tokens after it are then not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,8 +46,10 @@ def run(
     params: SamplingParams,
     join_at: dict[str, int] | None = None,
     max_steps: int = 20_000,
+    on_step: Callable[[], None] | None = None,
 ) -> dict[str, Generated]:
-    """Add each request at its step (default 0), step until all finish, collect the outputs."""
+    """Add each request at its step (default 0), step until all finish, collect the outputs;
+    `on_step` looks at the engine after every step."""
     join_at = join_at or {}
     pending = sorted(prompts, key=lambda rid: join_at.get(rid, 0))
     results = {rid: Generated() for rid in prompts}
@@ -64,6 +67,8 @@ def run(
                 got.margins.append(pairs[1][1] - pairs[2][1])
             if out.finished:
                 got.finish_reason = out.finish_reason.value if out.finish_reason else None
+        if on_step is not None:
+            on_step()
         step += 1
         assert step < max_steps, "engine made no progress"
     return results

@@ -53,7 +53,7 @@ class TieredSequence(Protocol):
     """A sequence as the tier sees it (service.engine.sequence.Sequence)."""
 
     num_computed_tokens: int
-    block_table: list[Block]
+    block_table: list[Block | None]  # None never: the tier runs with one pool (window_blocks)
     block_hashes: list[int]
     tier: TierState | None
 
@@ -160,7 +160,7 @@ class TierScheduler:
         pairs = [
             (h, block)
             for h, block in zip(seq.block_hashes[:num_full], seq.block_table, strict=False)
-            if not self._tier.knows(h)
+            if block is not None and not self._tier.knows(h)
         ]
         if not pairs:
             return None

@@ -244,3 +244,60 @@ def test_a_sliding_window_leaves_the_whole_context_served(tmp_path: Path) -> Non
     )
     assert engine.max_model_len == 512
     engine.close()
+
+
+GEMMA3 = CASES[IDS.index("gemma3")]
+
+
+def test_gemma3s_window_layers_keep_only_their_window_and_answer_as_one_pool(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    """Gemma 3's sliding-window layers in pools of their own (service/engine/window_blocks.py):
+    through 60-token prompts and 150-token answers, two sharing a prefix, the window pool holds
+    at most the blocks the window sees per sequence while the full pool holds every position;
+    the tokens equal the one-pool engine's, through the eager decode buffers too, and both
+    engines end balanced (make_engine checks)."""
+    from service.engine.window_blocks import WindowedBlockManager
+    from tests.engine.test_cuda_graphs import with_eager_graphs
+
+    directory = make_tiny_family(tmp_path / "m", GEMMA3.model_type, SHAPE | GEMMA3.config)
+    loaded = load_model(directory, torch.float32, CPU)
+    shared = _prompt(40, seed=31)
+    prompts = {
+        "a": [*shared, *_prompt(20, seed=32)],
+        "b": [*shared, *_prompt(20, seed=33)],
+        "c": _prompt(60, seed=34),
+    }
+    one_pool = make_engine(loaded, block_size=8, window_pools=False)
+    assert not isinstance(one_pool.block_manager, WindowedBlockManager)
+    expected = run(one_pool, prompts, greedy(150), join_at={"b": 2, "c": 4})
+    for graphs in (False, True):
+        # Pools from 1 MiB: the window pool is cut to 56 blocks, the full one grows to 456
+        # (`pool_sizes`), so a slot of the wrong group's table lands outside its pool.
+        engine = make_engine(
+            loaded, block_size=8, max_num_seqs=4, num_device_blocks=None, kv_cache_mb=1
+        )
+        bm = engine.block_manager
+        assert isinstance(bm, WindowedBlockManager)
+        assert (bm.full.stats().device.total, bm.window.stats().device.total) == (456, 56)
+        recording = with_eager_graphs(engine, max_num_seqs=4) if graphs else None
+        most_window_blocks = 0
+
+        def observe(engine: Any = engine, bm: WindowedBlockManager = bm) -> None:
+            nonlocal most_window_blocks
+            for seq in engine.scheduler.running:
+                window = sum(b is not None for b in seq.window_block_table)
+                # 24-token window over 8-token blocks: 4 blocks seen, the step's new block
+                # and (while prefilling) its chunk's blocks.
+                assert window <= bm.groups.blocks_seen(8) + 1 + 128 // 8
+                most_window_blocks = max(most_window_blocks, window)
+                assert sum(b is not None for b in seq.block_table) == len(seq.block_table)
+
+        got = run(engine, prompts, greedy(150), join_at={"b": 2, "c": 4}, on_step=observe)
+        assert_same_greedy(expected, got)
+        stats = engine.stats().blocks
+        assert stats.prefix_hits >= 40 and stats.window_device is not None
+        # Of the 27 blocks a whole 210-token sequence fills; the full pool holds 76 at the end,
+        # more than the window pool has, so a slot of the wrong group's table is out of range.
+        assert 0 < most_window_blocks <= 20
+        assert recording is None or recording.replays > 0
