@@ -16,10 +16,7 @@ from typing import Any
 import msgspec
 
 from service.api.limits import Limits
-from service.api.openai.errors import (
-    invalid,
-    unsupported,
-)
+from service.api.openai.errors import context_exceeded, invalid, unsupported
 from service.api.openai.params import SamplingFields, decode_fields, engine_params
 from service.engine.params import SamplingParams
 from service.sessions.prompt import ChatFormat, TemplateError
@@ -134,7 +131,9 @@ def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
         )
 
 
-def render_prompt(req: ChatCompletionRequest, chat: ChatFormat, limits: Limits) -> list[int]:
+def render_prompt(
+    req: ChatCompletionRequest, chat: ChatFormat, limits: Limits, max_model_len: int | None = None
+) -> list[int]:
     """The conversation through the model's chat template, contents as plain text.
 
     A conversation that ends with an assistant message is continued: no new turn is opened,
@@ -157,6 +156,11 @@ def render_prompt(req: ChatCompletionRequest, chat: ChatFormat, limits: Limits) 
         content = _text(message.content, param)
         cap = limits.max_system_chars if role == "system" else limits.max_message_chars
         if len(content) > cap:
+            # Over the context by itself, it is refused as a prompt over the context is
+            # (OpenAI's code for it); else as a message over the server's cap.
+            tokens = len(chat.tokenizer.encode(content)) if max_model_len else 0
+            if max_model_len and tokens >= max_model_len:
+                raise context_exceeded(tokens, max_model_len)
             raise invalid(f"{param}.content has {len(content)} characters; at most {cap}", param)
         rendered.append({"role": role, "content": content})
     last = rendered[-1]["role"]

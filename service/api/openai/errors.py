@@ -72,7 +72,9 @@ def refusal_error(refusal: Refusal) -> OpenAIError:
         headers["Retry-After"] = str(math.ceil(refusal.retry_after_s))
     elif refusal.reason is RefusalReason.OVERLOADED:
         headers["Retry-After"] = "1"  # an overloaded server is usually free within a second
-    return OpenAIError(status, refusal.message, code, headers=headers)
+    # OpenAI's type for a limit on requests (its rate limits say "requests" or "tokens").
+    kind = "requests" if status == 429 else ""
+    return OpenAIError(status, refusal.message, code, kind=kind, headers=headers)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:

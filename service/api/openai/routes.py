@@ -121,7 +121,7 @@ class OpenAIRoutes:
         body: bytes, parts: OpenAIParts
     ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         req = decode_request(body, parts.names)
-        prompt = render_prompt(req, parts.chat_format, parts.limits)
+        prompt = render_prompt(req, parts.chat_format, parts.limits, parts.sizes[0])
         return req, prompt, chat_params(req, parts.limits, len(prompt), *parts.sizes)
 
     @staticmethod

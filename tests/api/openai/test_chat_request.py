@@ -192,6 +192,23 @@ def test_messages_this_server_cannot_read_are_refused_by_name(
     assert caught.value.param == param
 
 
+def test_a_message_over_its_cap_and_over_the_context_is_a_context_length_refusal(
+    chat: ChatFormat,
+) -> None:
+    """Over `--max-message-chars` and by itself over the context: OpenAI's code for a prompt
+    over the context; over the cap only: the cap's own refusal, naming the message."""
+    limits = Limits(max_message_chars=100)
+    long = decode(messages=[{"role": "user", "content": "word " * 40}])  # 200 characters
+    with pytest.raises(OpenAIError) as caught:
+        render_prompt(long, chat, limits, max_model_len=30)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+    assert "maximum context length is 30 tokens" in caught.value.message
+    with pytest.raises(OpenAIError) as caught:
+        render_prompt(long, chat, limits, max_model_len=4096)
+    assert (caught.value.code, caught.value.param) == ("invalid_value", "messages[0]")
+    assert "at most 100" in caught.value.message
+
+
 def test_a_final_assistant_message_is_continued_not_answered(chat: ChatFormat) -> None:
     req = decode(messages=[*HI, {"role": "assistant", "content": "Hello, my name"}])
     prompt = render_prompt(req, chat, Limits())

@@ -357,6 +357,7 @@ async def test_a_request_over_the_inflight_limit_is_told_to_retry(server: Server
     )
     assert status == 429
     assert result["error"]["code"] == "overloaded"
+    assert result["error"]["type"] == "requests"  # OpenAI's type for its rate limits
     assert headers["retry-after"] == "1"
     assert (await first)[-1] == "[DONE]"
 
