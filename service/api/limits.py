@@ -69,6 +69,12 @@ class Limits:
         " dropped later than this after its last read",
     )
 
+    body_timeout_s: float = setting(
+        10.0,
+        "seconds an HTTP request's body may take to arrive in full, once its headers have; past"
+        " it the request gets a 408 and its connection is closed",
+    )
+
     def __post_init__(self) -> None:
         for name in (
             "max_connections",
@@ -93,5 +99,7 @@ class Limits:
             raise ValueError("default_completion_tokens must be <= max_tokens")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.body_timeout_s <= 0:
+            raise ValueError("body_timeout_s must be > 0")
         if not self.send_timeout_s > 0:
             raise ValueError("send_timeout_s must be > 0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
 from service.api.access.gate import cache_salt_for
@@ -52,6 +53,8 @@ from service.engine.values import CacheScope
 from service.sessions.prompt import ChatFormat
 
 _json = msgspec.json.Encoder()
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- the endpoint
@@ -139,10 +142,28 @@ class OpenAIRoutes:
     ) -> Response:
         received = time.monotonic()
         parts = self.parts
+        limits = parts.limits
         try:
-            req, prompt, params = parse(await _body(request, parts.limits.max_body_bytes), parts)
+            async with asyncio.timeout(limits.body_timeout_s):
+                body = await _body(request, limits.max_body_bytes)
+            req, prompt, params = parse(body, parts)
         except OpenAIError as exc:
             return self._error(exc, parts)
+        except TimeoutError:
+            stalled = OpenAIError(
+                408,
+                f"the request's body did not arrive within {limits.body_timeout_s:g} s",
+                "request_timeout",
+                headers={"Connection": "close"},  # what is left of the body is never read
+            )
+            return self._error(stalled, parts)
+        except ClientDisconnect:
+            # The client's own doing: one line, not a server error with a traceback.
+            log.info(
+                "%s %s: the client left before its body ended", request.method, request.url.path
+            )
+            parts.metrics.errors.labels("client_disconnected").inc()
+            return Response(status_code=499)
         refusal = parts.admission.begin_answer()
         if refusal is not None:
             parts.metrics.errors.labels(refusal.reason.value).inc()

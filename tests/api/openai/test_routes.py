@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ pytestmark = [
 
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 65536
+BODY_TIMEOUT_S = 2
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 NAMES = ("smol", "gpt-4o-mini")  # --served-model-name: the first listed
 APP_ORIGIN = "https://app.example"
@@ -39,6 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         *("--max-model-len", str(MAX_MODEL_LEN), "--max-tokens", "128"),
         *("--default-max-tokens", "64"),
         *("--max-inflight-turns", "1", "--max-body-bytes", str(BODY_LIMIT)),
+        *("--body-timeout-s", str(BODY_TIMEOUT_S)),
         *("--served-model-name", ",".join(NAMES), "--cors-allowed-origins", APP_ORIGIN),
     ) as server:
         yield server
@@ -325,6 +328,44 @@ def test_bad_requests_get_openai_shaped_errors(
     error = result["error"]
     assert error["code"] == code
     assert error["message"] and error["type"] == "invalid_request_error"
+
+
+def _post_head(server: ServerProcess, content_length: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {content_length}\r\n\r\n".encode()
+        + b'{"messages": ['
+    )
+    return sock
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_its_connection_closed(
+    server: ServerProcess,
+) -> None:
+    """A Content-Length the body never reaches: `--body-timeout-s` after the headers, a 408
+    in OpenAI's shape, and the connection closed (the rest of the body is never read)."""
+    with _post_head(server, 500) as sock:
+        reply = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and f"{BODY_TIMEOUT_S} s" in error["message"]
+
+
+def test_a_client_leaving_mid_body_is_one_log_line_not_a_traceback(server: ServerProcess) -> None:
+    before = server.log().count("the client left before its body ended")
+    for _ in range(3):
+        _post_head(server, 500).close()
+    deadline = time.monotonic() + 30
+    while server.log().count("the client left before its body ended") < before + 3:
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    assert "ClientDisconnect" not in server.log()
+    assert server.get("/health")[0] == 200
 
 
 async def test_a_client_leaving_a_stream_stops_it_and_frees_its_blocks(
