@@ -69,6 +69,13 @@ class Limits:
         " dropped later than this after its last read",
     )
 
+    header_timeout_s: float = setting(
+        10.0,
+        "seconds a request's headers (a WebSocket handshake's included) may take from its first"
+        " byte, or a new connection's; past it a 408 and the connection closed. At most"
+        " `max_connections` connections may be waiting for their headers at once; a new one"
+        " past that closes the one waiting longest (service/server/http_guard.py)",
+    )
     body_timeout_s: float = setting(
         10.0,
         "seconds an HTTP request's body may take to arrive in full, once its headers have; past"
@@ -99,7 +106,7 @@ class Limits:
             raise ValueError("default_completion_tokens must be <= max_tokens")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        if self.body_timeout_s <= 0:
-            raise ValueError("body_timeout_s must be > 0")
+        if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:
+            raise ValueError("body_timeout_s and header_timeout_s must be > 0")
         if not self.send_timeout_s > 0:
             raise ValueError("send_timeout_s must be > 0")

@@ -19,6 +19,7 @@ import uvicorn
 from service.engine.loader import LoadedModel, check_model
 from service.server.app import create_app
 from service.server.config import ServerConfig
+from service.server.http_guard import guarded_h11
 from service.server.hub import Hub
 from service.server.options import config_from_args
 
@@ -55,6 +56,8 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         ws="websockets-sansio",
         ws_max_size=config.limits.ws_max_size,
         lifespan="on",
+        # Requests whose headers never finish: timed out and capped (uvicorn bounds neither).
+        http=guarded_h11(config.limits.header_timeout_s, config.limits.max_connections),
         access_log=config.access_log,
         # X-Forwarded-For names the client only from a --trusted-proxies peer (uvicorn would
         # trust 127.0.0.1 by default, letting any local process pick its address).

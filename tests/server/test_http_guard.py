@@ -1,0 +1,94 @@
+"""Connections that never finish their headers (service/server/http_guard.py), against a real
+server: a half-sent request or WebSocket handshake gets a 408 and is closed after
+`--header-timeout-s`, and sockets held open past `--max-connections` push out the longest
+waiting one, so a client that sends its request at once is still answered."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.api.server import ServerProcess, running_server
+
+pytestmark = [pytest.mark.server, pytest.mark.real_model, pytest.mark.timeout(300)]
+
+HEADER_TIMEOUT_S = 2
+MAX_CONNECTIONS = 8
+HALF_HANDSHAKE = b"GET /v1/chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("guard"),
+        *("--header-timeout-s", str(HEADER_TIMEOUT_S)),
+        *("--max-connections", str(MAX_CONNECTIONS)),
+    ) as server:
+        yield server
+
+
+def half_open(server: ServerProcess, data: bytes = HALF_HANDSHAKE) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(data)
+    return sock
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    return reply
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """The server dropped it (aborted: a reset, or closed: end of stream) with no reply."""
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "data",
+    [HALF_HANDSHAKE, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le", b""],
+    ids=["websocket-handshake", "post-headers", "nothing"],
+)
+def test_headers_that_never_finish_get_a_408_and_the_connection_closed(
+    server: ServerProcess, data: bytes
+) -> None:
+    with half_open(server, data) as sock:
+        started = time.monotonic()
+        reply = read_to_close(sock)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply
+    # Not before the timeout (the test's bound is loose: it is the server's deadline, not a
+    # speed, that is checked).
+    assert time.monotonic() - started >= HEADER_TIMEOUT_S - 0.5
+    assert "no request headers within 2 s" in server.log()
+
+
+def test_held_sockets_past_the_cap_push_out_the_oldest_and_health_still_answers(
+    server: ServerProcess,
+) -> None:
+    held = [half_open(server) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        # Each new one closed the longest waiting: all but the last MAX_CONNECTIONS are gone.
+        for sock in held[: 2 * MAX_CONNECTIONS]:
+            sock.settimeout(HEADER_TIMEOUT_S / 2)  # closed already, not timed out later
+            assert closed_by_server(sock)
+        assert server.get("/health")[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+    assert server.log().count("connections were waiting for their headers") >= 2 * MAX_CONNECTIONS
+
+
+def test_a_kept_alive_connections_next_request_is_bounded_too(server: ServerProcess) -> None:
+    with half_open(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") as sock:
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # the next request, never finished
+        reply = read_to_close(sock)
+    assert b"HTTP/1.1 408 " in reply, reply
