@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import socket
 import sys
+import time
 
 import uvicorn
 
@@ -82,6 +84,34 @@ class ClientFaultFilter(logging.Filter):
         return True
 
 
+class AcceptErrorFilter(logging.Filter):
+    """asyncio logs every failed accept(), with a traceback, when the process is out of file
+    descriptors, and retries a second later with the backlog still full: thousands of lines a
+    minute that say one thing. One line (no traceback) per `every_s`, with how many it stands
+    for."""
+
+    PREFIX = "socket.accept() out of system resource"
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self._last = -math.inf
+        self._suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.PREFIX):
+            return True
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._suppressed += 1
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = f"{self.PREFIX} ({error}); {self._suppressed} more like it not logged"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self._last, self._suppressed = now, 0
+        return True
+
+
 def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
     """`loaded`: a model already in memory (benchmarks/synthetic.py builds one); None loads
     `--model`."""
@@ -94,6 +124,7 @@ def serve(args: argparse.Namespace, loaded: LoadedModel | None = None) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("uvicorn.error").addFilter(ClientFaultFilter())
+    logging.getLogger("asyncio").addFilter(AcceptErrorFilter())
     try:
         if loaded is None and config.engine.model is not None:
             check_model(config.engine.model)  # an unusable model in one line, before start-up

@@ -1,0 +1,150 @@
+"""Sockets held open with half a request (slowloris) against a real server with a small
+open-file limit: does it still answer, and how much does it log?
+
+Starts `pagechat serve` (embedded Redis, the bundled model) under `prlimit --nofile=LIMIT`,
+opens `--sockets` connections that each send half a WebSocket handshake and then nothing, and
+while they are held asks, `--probes` times: GET /health, a WebSocket handshake, and a
+one-token POST /v1/chat/completions, each with a 10 s deadline. Reported: how many of each
+answered, the slowest, how many of the held sockets the server closed, and the log's size.
+
+    .venv/bin/python -m benchmarks.held_sockets [--sockets 2100] [--nofile 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import websockets
+
+HALF_HANDSHAKE = b"GET /v1/chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+RUNNING = re.compile(rb"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def start(
+    directory: Path, nofile: int, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    log = directory / "server.log"
+    command = [
+        "prlimit", f"--nofile={nofile}", sys.executable, "-m", "service.cli", "serve",
+        "--port", "0", "--data-dir", str(directory / "data"), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if match := RUNNING.search(log.read_bytes()):
+            return proc, int(match.group(1)), log
+        if proc.poll() is not None:
+            raise SystemExit(log.read_text())
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def probe_health(port: int) -> float | None:
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            r.read()
+        return time.monotonic() - start
+    except OSError:
+        return None
+
+
+def probe_chat(port: int) -> float | None:
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            r.read()
+        return time.monotonic() - start
+    except OSError:
+        return None
+
+
+async def _ws(port: int) -> None:
+    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/chat", open_timeout=10):
+        pass
+
+
+def probe_ws(port: int) -> float | None:
+    start = time.monotonic()
+    try:
+        asyncio.run(asyncio.wait_for(_ws(port), 10))
+        return time.monotonic() - start
+    except (OSError, TimeoutError, websockets.exceptions.WebSocketException):
+        return None
+
+
+def answered_or_closed(sock: socket.socket) -> bool:
+    """Whether the server replied on (a 408) or closed a held socket; False: still open."""
+    try:
+        sock.recv(65536)
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sockets", type=int, default=2100)
+    parser.add_argument("--nofile", type=int, default=2048)
+    parser.add_argument("--probes", type=int, default=5)
+    parser.add_argument("--hold-s", type=float, default=30.0, help="how long the sockets are held")
+    parser.add_argument("server_args", nargs="*", help="more `pagechat serve` options")
+    opts = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port, log = start(Path(tmp), opts.nofile, opts.server_args)
+        try:
+            held = []
+            for _ in range(opts.sockets):
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                sock.sendall(HALF_HANDSHAKE)
+                sock.setblocking(False)
+                held.append(sock)
+            results: dict[str, list[float | None]] = {"health": [], "websocket": [], "chat": []}
+            end = time.monotonic() + opts.hold_s
+            for _ in range(opts.probes):
+                results["health"].append(probe_health(port))
+                results["websocket"].append(probe_ws(port))
+                results["chat"].append(probe_chat(port))
+            while time.monotonic() < end:
+                time.sleep(0.5)
+            closed = sum(answered_or_closed(sock) for sock in held)
+            for sock in held:
+                sock.close()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        text = log.read_text(errors="replace")
+    print(f"{opts.sockets} half-open sockets held {opts.hold_s:g} s, server nofile {opts.nofile}")
+    for name, times in results.items():
+        ok = [t for t in times if t is not None]
+        slowest = f"{max(ok):.2f} s" if ok else "-"
+        print(f"  {name}: {len(ok)} / {len(times)} answered, slowest {slowest}")
+    print(f"  held sockets the server closed (408 or pushed out): {closed} / {opts.sockets}")
+    lines = text.count("\n")
+    print(f"  log: {lines} lines, {len(text.encode()) / 1024:.0f} KiB; 'Too many open files': "
+          f"{text.count('Too many open files')}")  # fmt: skip
+    return 0 if all(t is not None for times in results.values() for t in times) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
