@@ -5,7 +5,7 @@
     hub.py      Hub: the parts built, started, handed to the transports, drained, stopped
     config.py   ServerConfig (validated; its `limits` are service.api.limits.Limits)
     options.py  config fields -> command-line options, PAGECHAT_* variables, docs/config.md
-    web/        chat.html (/), kv.html (/kv)
+    web/        chat.html (/), kv.html (/kv), theme.js; vendor/: markdown-it, DOMPurify
 
 The only code of the service that builds the engine (service.engine.engine, .loader,
 .async_engine); the transports in service.api see it through its interface.

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import redis.exceptions
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -109,6 +110,21 @@ def create_app(hub: Hub) -> Starlette:
     async def kv_page_view(request: Request) -> Response:
         return HTMLResponse(kv_page)
 
+    # The pages' scripts, read once: the theme, and the vendored markdown renderer and
+    # sanitizer (web/vendor/README.md). Only these names are served; nothing else of the tree.
+    scripts = {
+        name: (WEB / name).read_bytes()
+        for name in ("theme.js", "vendor/markdown-it.min.js", "vendor/purify.min.js")
+    }
+
+    async def script(request: Request) -> Response:
+        body = scripts.get(request.url.path.removeprefix("/"))
+        if body is None:
+            raise HTTPException(404)
+        return Response(
+            body, media_type="text/javascript", headers={"Cache-Control": "max-age=3600"}
+        )
+
     async def favicon(request: Request) -> Response:
         # An SVG under the name browsers ask for by themselves (they go by the media type).
         return Response(
@@ -133,6 +149,8 @@ def create_app(hub: Hub) -> Starlette:
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_page_view),
+            Route("/theme.js", script),
+            Route("/vendor/{name}", script),
             Route("/favicon.ico", favicon),
         ],
         lifespan=lifespan,

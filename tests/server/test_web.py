@@ -133,9 +133,14 @@ async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
 
         async def open_(
-            path: str, viewport: dict[str, int] | None = None, base: str = server.http
+            path: str,
+            viewport: dict[str, int] | None = None,
+            base: str = server.http,
+            color_scheme: str = "light",
         ) -> Page:
-            context = await browser.new_context(viewport=viewport or {"width": 1280, "height": 800})
+            context = await browser.new_context(
+                viewport=viewport or {"width": 1280, "height": 800}, color_scheme=color_scheme
+            )
             page = Page(await context.new_page(), [], [])
             page.page.on("pageerror", lambda exc: page.errors.append(str(exc)))
             page.page.on(
@@ -413,3 +418,129 @@ async def test_kv_view_lists_a_streaming_answer_with_its_blocks(
         await chat.cancel()
         await chat.collect()
     assert opened.errors == []
+
+
+# ---------------------------------------------------------------------- markdown, themes
+
+ANSWER_MD = """Here is the function:
+
+```python
+def reverse(s: str) -> str:
+    return s[::-1]
+```
+
+- it takes a **string**
+- it returns it `reversed`
+- see [the docs](https://docs.python.org/3/)
+
+| input | output |
+|---|---|
+| abc | cba |
+"""
+XSS = (
+    '<img src=x onerror="window.__xss = 1"> <script>window.__xss = 2</script> '
+    '[click](javascript:window.__xss=3) <a href="javascript:window.__xss=4">a</a> '
+    '<svg onload="window.__xss = 5"></svg>'
+)
+
+
+async def stream_answer(page: Any, text: str, pieces: int = 7) -> None:
+    """The frames of a streamed answer, fed to the page's own frame handler in `pieces`
+    deltas (as the server's WebSocket would), then its `done`."""
+    step = -(-len(text) // pieces)
+    for i in range(0, len(text), step):
+        await page.evaluate("(t) => onFrame({type: 'delta', text: t})", text[i : i + step])
+        await page.wait_for_timeout(20)  # a frame or two: the renders while it streams
+    done = {
+        "type": "done", "turn": 1, "finish_reason": "stop",
+        "usage": {"completion_tokens": 9, "prompt_tokens": 9, "cached_tokens": 0,
+                  "swapped_in_tokens": 0, "recomputed_tokens": 9},
+        "timing": {"ttft_s": 0.1},
+    }  # fmt: skip
+    await page.evaluate("(f) => onFrame(f)", done)
+
+
+async def test_a_markdown_answer_renders_code_lists_tables_and_safe_links(
+    open_page: OpenPage, tmp_path: Any
+) -> None:
+    opened = await open_page("/")
+    page = opened.page
+    await stream_answer(page, ANSWER_MD)
+    answer = page.locator(".msg.assistant").last
+    assert await answer.locator(".code-head .lang").inner_text() == "python"
+    code = answer.locator("pre code")
+    assert await code.inner_text() == "def reverse(s: str) -> str:\n    return s[::-1]\n"
+    font = await code.evaluate("(el) => getComputedStyle(el).fontFamily")
+    assert "monospace" in font
+    assert await answer.locator("li").count() == 3
+    assert await answer.locator("strong").inner_text() == "string"
+    assert await answer.locator("li code").inner_text() == "reversed"
+    assert await answer.locator("th").all_inner_texts() == ["input", "output"]
+    assert await answer.locator("td").all_inner_texts() == ["abc", "cba"]
+    link = answer.locator("a")
+    assert await link.get_attribute("href") == "https://docs.python.org/3/"
+    assert await link.get_attribute("target") == "_blank"
+    assert "noopener" in (await link.get_attribute("rel") or "")
+    assert "```" not in await answer.inner_text() and "**" not in await answer.inner_text()
+    await answer.locator("button.copy").click()
+    assert await answer.locator("button.copy").inner_text() == "Copied"
+    await page.screenshot(path=str(tmp_path / "markdown-answer.png"))
+    assert not opened.errors, opened.errors
+
+
+async def test_html_in_an_answer_or_a_message_is_shown_as_text_never_run(
+    open_page: OpenPage, tmp_path: Any
+) -> None:
+    opened = await open_page("/")
+    page = opened.page
+    await stream_answer(page, XSS, pieces=5)
+    answer = page.locator(".msg.assistant").last
+    assert await answer.locator("img, script, svg, iframe").count() == 0
+    assert await answer.locator("a").count() == 0  # no javascript: link survives
+    assert "<img src=x onerror=" in await answer.inner_text()  # shown, as typed
+    # The same payload typed by the person, answered by the real model.
+    await ask(page, XSS)
+    mine = page.locator(".msg.user").last
+    assert await mine.inner_text() == XSS
+    assert await page.locator(".msg img, .msg script, .msg svg").count() == 0
+    assert await page.evaluate("window.__xss") is None
+    await page.screenshot(path=str(tmp_path / "xss-inert.png"))
+    assert not opened.errors, opened.errors
+
+
+async def test_a_real_answer_is_rendered_as_markdown_when_it_ends(open_page: OpenPage) -> None:
+    opened = await open_page("/")
+    await ask(opened.page, "Write a Python function that reverses a string.")
+    answer = opened.page.locator(".msg.assistant").last
+    assert await answer.evaluate("(el) => el.classList.contains('md')")
+    # Rendered from what streamed: the text shown is the answer's, markup aside.
+    raw = await answer.evaluate("(el) => el.raw")
+    assert raw and await answer.evaluate("(el) => el.querySelector('p, pre, ul, ol') !== null")
+
+
+def _background(page: Any) -> Any:
+    return page.evaluate("getComputedStyle(document.body).backgroundColor")
+
+
+async def test_dark_mode_follows_the_system_and_a_toggle_is_remembered_on_both_pages(
+    open_page: OpenPage, tmp_path: Any
+) -> None:
+    dark, light = "rgb(15, 17, 21)", "rgb(248, 250, 252)"
+    opened = await open_page("/", color_scheme="dark")
+    page = opened.page
+    assert await page.evaluate("document.documentElement.dataset.theme") == "dark"
+    assert await _background(page) == dark
+    await stream_answer(page, ANSWER_MD)
+    await page.screenshot(path=str(tmp_path / "chat-dark.png"))
+    await page.click("#theme")  # the person prefers light here, whatever the system says
+    assert await _background(page) == light
+    await page.reload()
+    assert await _background(page) == light
+    await page.goto(page.url.rstrip("/") + "/kv")
+    assert await _background(page) == light  # one choice for the browser, every page
+    await page.click("#theme")
+    assert await _background(page) == dark
+    await page.screenshot(path=str(tmp_path / "kv-dark.png"))
+    system = await open_page("/kv", color_scheme="dark")  # a fresh browser profile
+    assert await _background(system.page) == dark
+    assert not opened.errors and not system.errors, (opened.errors, system.errors)
