@@ -46,6 +46,7 @@ class ChatServerError(Exception):
         self.code = str(frame.code)
         self.message = frame.message
         self.fatal = frame.fatal
+        self.frame = frame  # every field, e.g. `limit` on message_too_long
 
 
 @dataclass

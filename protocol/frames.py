@@ -150,6 +150,7 @@ class Error(_ServerFrame, tag="error", omit_defaults=True):
     message: str
     fatal: bool  # the server closes the connection after a fatal error
     retry_after_s: float | None = None  # too_many_attempts: seconds until a retry is heard
+    limit: int | None = None  # message_too_long: the most characters the message may have
 
 
 ServerFrame = SessionOpened | Delta | Done | Error
@@ -165,12 +166,14 @@ class FrameError(Exception):
         *,
         fatal: bool = False,
         retry_after_s: float | None = None,
+        limit: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.fatal = fatal
         self.retry_after_s = retry_after_s
+        self.limit = limit
 
     def frame(self) -> Error:
         return Error(
@@ -178,6 +181,7 @@ class FrameError(Exception):
             message=self.message,
             fatal=self.fatal,
             retry_after_s=self.retry_after_s,
+            limit=self.limit,
         )
 
 

@@ -544,3 +544,26 @@ async def test_dark_mode_follows_the_system_and_a_toggle_is_remembered_on_both_p
     system = await open_page("/kv", color_scheme="dark")  # a fresh browser profile
     assert await _background(system.page) == dark
     assert not opened.errors and not system.errors, (opened.errors, system.errors)
+
+
+async def test_an_over_long_message_is_folded_kept_in_the_box_and_the_limit_said(
+    open_page: OpenPage, tmp_path: Any
+) -> None:
+    opened = await open_page("/", viewport=PHONE)
+    page = opened.page
+    text = ("too long " * 1889).strip()  # 17,000 characters; the limit is 16,000
+    await page.fill("#input", text)
+    await page.keyboard.press("Enter")
+    await page.wait_for_selector(".msg.user.refused")
+    await page.wait_for_selector("#input:not([disabled])")
+    status = await page.locator("#status").inner_text()
+    assert "16,000 characters" in status and "17,000" in status
+    assert await page.input_value("#input") == text  # nothing typed is lost
+    bubble = page.locator(".msg.user.refused")
+    assert (await bubble.bounding_box())["height"] < 200  # folded, not a wall of text
+    unfold = page.locator("button.unfold")
+    assert await unfold.inner_text() == "Show all 17,000 characters"
+    await page.screenshot(path=str(tmp_path / "over-long-folded.png"))
+    await unfold.click()
+    assert (await bubble.bounding_box())["height"] > 1000
+    assert not opened.errors, opened.errors

@@ -248,7 +248,9 @@ class ChatConnection:
         limit = parts.limits.max_system_chars
         if frame.system is not None and len(frame.system) > limit:
             raise FrameError(
-                ErrorCode.MESSAGE_TOO_LONG, f"the system prompt is over {limit} characters"
+                ErrorCode.MESSAGE_TOO_LONG,
+                f"the system prompt is over {limit} characters",
+                limit=limit,
             )
         store = parts.stores(principal.tenant)
         try:
@@ -316,6 +318,7 @@ class ChatConnection:
                 ErrorCode.MESSAGE_TOO_LONG,
                 f"the message has {len(frame.content)} characters; the limit is "
                 f"{limits.max_message_chars}",
+                limit=limits.max_message_chars,
             )
         params = self._params(frame.params)
         assert self.session_id is not None

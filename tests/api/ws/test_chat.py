@@ -339,6 +339,8 @@ async def test_request_limits_get_errors_and_the_session_stays_usable(
             with pytest.raises(ChatServerError) as error:
                 await chat.ask(content, **params)
             assert error.value.code == code and not error.value.fatal
+            if code == "message_too_long":  # the limit, for a client to say it
+                assert error.value.frame.limit == 4000
         answer = await chat.ask("Say hi.", max_tokens=4, **GREEDY)
         assert answer.done is not None and answer.done.turn == 0  # refusals stored nothing
 
