@@ -7,19 +7,32 @@ same server over a real WebSocket.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import redis
 
 from clients.chat_client import ChatClient
 from protocol.frames import Delta
 from service.api.observability.kv_view import session_tag
-from tests.api.server import REPO, ServerProcess, running_server, wait_balanced
+from tests.api.server import (
+    REDIS_URL,
+    REPO,
+    ServerProcess,
+    delete_prefix,
+    running_server,
+    start_server,
+    unique_prefix,
+    wait_balanced,
+)
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = [
@@ -137,6 +150,7 @@ async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
             viewport: dict[str, int] | None = None,
             base: str = server.http,
             color_scheme: str = "light",
+            route_chat: Callable[[Any], Any] | None = None,
         ) -> Page:
             context = await browser.new_context(
                 viewport=viewport or {"width": 1280, "height": 800}, color_scheme=color_scheme
@@ -147,6 +161,8 @@ async def open_page(server: ServerProcess) -> AsyncIterator[OpenPage]:
                 "response",
                 lambda r: page.failed.append(f"{r.status} {r.url}") if r.status >= 400 else None,
             )
+            if route_chat is not None:  # sees the page's /v1/chat frames on their way
+                await page.page.route_web_socket(re.compile(r"/v1/chat"), route_chat)
             await page.page.goto(base + path)
             return page
 
@@ -567,3 +583,83 @@ async def test_an_over_long_message_is_folded_kept_in_the_box_and_the_limit_said
     await unfold.click()
     assert (await bubble.bounding_box())["height"] > 1000
     assert not opened.errors, opened.errors
+
+
+def long_answers(route: Any) -> None:
+    """The page's frames to the real server, a `user` frame asking to count asking for a
+    400-token answer past the end of turn: sure to be streaming when the server is killed."""
+    server = route.connect_to_server()
+
+    def to_server(message: str | bytes) -> None:
+        frame = json.loads(message)
+        if frame.get("type") == "user" and frame["content"].startswith("Count"):
+            frame["params"] = {**frame.get("params", {}), "ignore_eos": True, "max_tokens": 400}
+        server.send(json.dumps(frame))
+
+    route.on_message(to_server)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_an_answer_lost_to_a_server_crash_is_shown_as_lost_with_the_question_kept(
+    open_page: OpenPage, tmp_path: Any
+) -> None:
+    """The server is killed (SIGKILL) mid-answer and started again on the same port and
+    Redis: the page says at once that it is disconnected and puts the question back in the
+    box; the next message resumes the session, whose stored turns lack the lost one, so the
+    question and its partial answer are shown marked, with a sentence saying why."""
+    port, prefix = _free_port(), unique_prefix()
+    args = ("--port", str(port), "--redis-url", REDIS_URL, "--redis-prefix", prefix)
+    args += ("--dtype", "float32", "--max-model-len", "512")
+    first = start_server(tmp_path / "first.log", *args)
+    second = None
+    try:
+        opened = await open_page("/", base=first.http, route_chat=long_answers)
+        page = opened.page
+        await ask(page, "Say hello.")  # a stored turn before the lost one
+        question = "Count from one to two hundred, one number a line."
+        await page.fill("#input", question)
+        await page.keyboard.press("Enter")
+        await page.wait_for_selector(".msg.assistant.streaming")
+        first.proc.kill()  # a crash: nothing more is stored
+        first.proc.wait(30)
+        await page.wait_for_function(
+            "document.getElementById('status').textContent.includes('Disconnected')"
+        )
+        assert await page.input_value("#input") == question
+        assert "back in the box" in await page.locator("#status").inner_text()
+        second = start_server(tmp_path / "second.log", *args)
+        assert second.port == port
+        # The killed server's turn lease runs out (10 s at most, docs/protocol.md); until
+        # then the session answers `busy`.
+        session = json.loads(await page.evaluate("localStorage.getItem('pagechat.session')"))
+        lease = f"{prefix}session:{session['session_id']}:lease"
+        store = redis.Redis.from_url(REDIS_URL)
+        deadline = time.monotonic() + 30
+        while store.exists(lease):
+            assert time.monotonic() < deadline, "the lease outlived its 10 s"
+            await asyncio.sleep(0.2)
+        store.close()
+        await ask(page, "Are you there?", answers=2)
+        assert await page.locator(".msg.user.lost").inner_text() == question
+        assert await page.locator(".msg.assistant.lost").count() == 1
+        note = await page.locator(".lost-note").inner_text()
+        assert "restarted before this answer was stored" in note
+        # The resumed conversation: the stored turn, the lost one marked, then the new one.
+        users = await page.locator(".msg.user").all_inner_texts()
+        assert users == ["Say hello.", question, "Are you there?"]
+        await page.screenshot(path=str(tmp_path / "lost-turn.png"))
+        assert not opened.errors, opened.errors
+        await page.close()
+        await wait_balanced(second)
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+        if second is not None:
+            assert second.stop() == 0, second.log()
+        delete_prefix(prefix)
