@@ -7,6 +7,11 @@ Ctrl-C during an answer stops it (the server is sent `cancel`) and returns to th
 Ctrl-C, Ctrl-D or an empty line at the prompt quits. The usage line after each answer says
 where the prompt's tokens came from: the device cache, the CPU pool, or recomputed. A failure
 (no server, a wrong URL, an unknown session) is one line on stderr and a non-zero exit.
+
+While it waits at the prompt the client watches its connection: when the server goes away it
+says so at once, reconnects by itself (waiting at most RETRY_MAX_S between tries) and resumes
+the session; a line typed meanwhile is kept and sent once it is back. A connection lost
+mid-answer ends that answer on its own line and reconnects the same way.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.protocol import State
 
 from clients.chat_client import ChatClient, ChatServerError
 from protocol.frames import Delta, Done, Error
@@ -33,7 +39,8 @@ from protocol.frames import Delta, Done, Error
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/chat"
 CHAT_PATH = "/v1/chat"
 SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
-POLL_S = 0.2  # the longest a Ctrl-C waits to be noticed
+POLL_S = 0.2  # the longest a Ctrl-C (or a lost connection, at the prompt) waits to be noticed
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 5.0  # reconnecting: the first wait, doubled up to this
 CANCEL_WAIT_S = 30.0  # after Ctrl-C, how long the cancelled answer's `done` may take
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 T = TypeVar("T")
@@ -41,6 +48,14 @@ T = TypeVar("T")
 
 class Failure(Exception):
     """Ends the client with one line on stderr and a non-zero exit status."""
+
+
+class Unreachable(Failure):
+    """No chat WebSocket at the address now: at start-up a failure, once chatting a retry."""
+
+
+class NotSent(Exception):
+    """The connection closed before a message could be sent: it is sent again once back."""
 
 
 def chat_url(url: str) -> str:
@@ -96,29 +111,33 @@ class Loop:
             self.loop.close()
 
 
-async def connect(args: argparse.Namespace) -> ChatClient:
+async def connect(args: argparse.Namespace, *, quiet: bool = False) -> ChatClient:
+    """Connect, and open a session or resume `args.session` (printing its history unless
+    `quiet`: a reconnect's)."""
     try:
         client = await ChatClient.connect(args.url, session_id=args.session)
     except InvalidStatus as exc:
-        raise Failure(
+        raise Unreachable(
             f"{args.url} answered HTTP {exc.response.status_code}, not a chat WebSocket "
             "(is it a pagechat server?)"
         ) from None
     except (InvalidURI, InvalidHandshake) as exc:
         raise Failure(f"{args.url}: not a chat WebSocket ({exc})") from None
     except TimeoutError:
-        raise Failure(f"{args.url}: no answer (timed out)") from None
+        raise Unreachable(f"{args.url}: no answer (timed out)") from None
     except ConnectionRefusedError:
-        raise Failure(
+        raise Unreachable(
             f"cannot connect to {args.url}: connection refused (is `pagechat serve` running?)"
         ) from None
     except OSError as exc:  # an unknown host, an unreachable network, a TLS failure
-        raise Failure(f"cannot connect to {args.url}: {exc.strerror or exc}") from None
+        raise Unreachable(f"cannot connect to {args.url}: {exc.strerror or exc}") from None
+    resuming = bool(args.session)
     try:
-        if args.session:
+        if resuming:
             opened = await client.resume(args.session, args.secret, api_key=args.api_key)
-            for m in opened.messages:
-                print(f"{m.role}> {m.content}")
+            if not quiet:
+                for m in opened.messages:
+                    print(f"{m.role}> {m.content}")
         else:
             opened = await client.open(system=args.system, api_key=args.api_key)
             print(
@@ -126,25 +145,99 @@ async def connect(args: argparse.Namespace) -> ChatClient:
                 f"--secret {opened.secret})",
                 file=sys.stderr,
             )
+            # A reconnect resumes this session.
+            args.session, args.secret = opened.session_id, opened.secret
     except ChatServerError as exc:
         await client.close()
         if exc.code == "unknown_session":
             raise Failure(
                 f"no session {args.session} on this server (expired, or never existed)"
             ) from None
+        if exc.code in ("shutting_down", "too_many_connections"):
+            raise Unreachable(f"the server refused: {exc.message}") from None
         raise Failure(f"the server refused: {exc.message}") from None
+    except ConnectionClosed:
+        raise Unreachable(f"{args.url}: the connection closed while opening") from None
     return client
+
+
+async def reconnect(args: argparse.Namespace) -> ChatClient:
+    """Connect and resume the session again, retrying while the server is unreachable."""
+    wait = RETRY_FIRST_S
+    while True:
+        try:
+            return await connect(args, quiet=True)
+        except Unreachable:
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, RETRY_MAX_S)
+
+
+class Connection:
+    """The chat's connection, made again whenever it drops. Its owner (the main thread) asks
+    `check` while it waits for a line and `ready` before it sends one."""
+
+    def __init__(self, loop: Loop, client: ChatClient, args: argparse.Namespace) -> None:
+        self.loop = loop
+        self.client = client
+        self.args = args
+        self.reconnecting: concurrent.futures.Future[ChatClient] | None = None
+
+    def lost(self) -> str:
+        """Start reconnecting (the connection is gone); the line that says so."""
+        if self.reconnecting is None:
+            self.reconnecting = self.loop.submit(reconnect(self.args))
+        return "[the server went away; reconnecting…]"
+
+    def check(self) -> str | None:
+        """A line to show now, if the connection's state changed since the last call."""
+        if self.reconnecting is None:
+            return self.lost() if self.client.websocket.state is State.CLOSED else None
+        if not self.reconnecting.done():
+            return None
+        return self._reconnected()
+
+    def ready(self) -> ChatClient:
+        """The client, once connected: waits out a reconnect in progress."""
+        if self.reconnecting is None and self.client.websocket.state is State.CLOSED:
+            print(self.lost(), file=sys.stderr)
+        if self.reconnecting is not None:
+            if not self.reconnecting.done():
+                print("[waiting for the server; your message is kept]", file=sys.stderr)
+            wait_for(self.reconnecting)
+            print(self._reconnected(), file=sys.stderr)
+        return self.client
+
+    def _reconnected(self) -> str:
+        assert self.reconnecting is not None
+        future, self.reconnecting = self.reconnecting, None
+        old, self.client = self.client, future.result()  # a Failure (the session gone) ends it
+        with contextlib.suppress(Exception):
+            self.loop.run(old.close(), timeout=5)
+        return f"[reconnected: session {self.args.session} resumed]"
 
 
 async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> None:
     """Send one message and print its answer as it streams, then its usage line."""
-    await client.send_user(
-        text, max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos
-    )
+    try:
+        await client.send_user(
+            text,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+        )
+    except ConnectionClosed:
+        raise NotSent from None
+    mid_line = False  # a delta was printed, and no newline after it yet
     while True:
-        frame = await client.receive()
+        try:
+            frame = await client.receive()
+        except ConnectionClosed:
+            if mid_line:
+                print()  # what follows goes on a line of its own
+            raise
         if isinstance(frame, Delta):
             print(frame.text, end="", flush=True)
+            mid_line = True
         elif isinstance(frame, Done):
             u, t = frame.usage, frame.timing
             ended = "" if frame.finish_reason == "stop" else f"; {frame.finish_reason}"
@@ -157,21 +250,30 @@ async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> Non
             )
             return
         elif isinstance(frame, Error):
+            if mid_line:
+                print()
+            if frame.fatal and frame.code == "shutting_down":
+                print(f"[{frame.message}]", file=sys.stderr)
+                continue  # the close follows: reconnected like any lost connection
             if frame.fatal:
                 raise Failure(f"the server ended the chat: {frame.message}")
-            print(f"\n[not answered: {frame.message}]", file=sys.stderr)
+            print(f"[not answered: {frame.message}]", file=sys.stderr)
             return
 
 
-def prompt(text: str) -> str:
+def prompt(text: str, idle: Callable[[], str | None] = lambda: None) -> str:
     """input(), but Ctrl-C always interrupts it: a SIGINT that lands between input() writing
     its prompt and blocking in read() is lost to it, so on a terminal the wait is a select()
-    with a timeout, which lets Python raise KeyboardInterrupt within a fifth of a second."""
+    with a timeout, which lets Python raise KeyboardInterrupt within a fifth of a second.
+    Each wait also asks `idle` for news (the connection's) to show on a line of its own; what
+    was typed so far stays in the terminal's line, to be finished and sent."""
     if not sys.stdin.isatty():
         return input(text)
     print(text, end="", flush=True)
     while not select.select([sys.stdin], [], [], POLL_S)[0]:
-        pass
+        if (news := idle()) is not None:
+            print(f"\n{news}", file=sys.stderr, flush=True)
+            print(text, end="", flush=True)
     line = sys.stdin.readline()  # a whole line is there: the terminal hands over lines
     if not line:
         raise EOFError
@@ -190,21 +292,31 @@ def wait_for(future: concurrent.futures.Future[T], timeout: float | None = None)
 
 
 def converse(loop: Loop, client: ChatClient, args: argparse.Namespace) -> int:
+    connection = Connection(loop, client, args)
     while True:
         try:
-            text = prompt("> ")
+            text = prompt("> ", connection.check)
         except (EOFError, KeyboardInterrupt):
             print()  # end the prompt's line
             return 0
         if not text.strip():
             return 0
-        turn = loop.submit(answer(client, text, args))
-        try:
-            wait_for(turn)
-        except KeyboardInterrupt:
-            # Stop the answer, keep what was said (the server stores it), back to the prompt.
-            loop.run(client.cancel())
-            wait_for(turn, CANCEL_WAIT_S)
+        while True:
+            client = connection.ready()
+            turn = loop.submit(answer(client, text, args))
+            try:
+                try:
+                    wait_for(turn)
+                except KeyboardInterrupt:
+                    # Stop the answer, keep what was said (the server stores it), to the prompt.
+                    loop.run(client.cancel())
+                    wait_for(turn, CANCEL_WAIT_S)
+            except NotSent:
+                print(connection.lost(), file=sys.stderr)
+                continue  # the same message, once the connection is back
+            except ConnectionClosed:
+                print(f"[the connection was lost mid-answer] {connection.lost()}", file=sys.stderr)
+            break
 
 
 def run(args: argparse.Namespace) -> int:

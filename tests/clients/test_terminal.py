@@ -13,13 +13,24 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from benchmarks.peer_servers import free_port
 from clients.terminal import Failure, chat_url, parser
-from tests.api.server import REPO, ServerProcess, is_idle, running_server, wait_balanced
+from tests.api.server import (
+    REDIS_URL,
+    REPO,
+    ServerProcess,
+    delete_prefix,
+    is_idle,
+    running_server,
+    start_server,
+    unique_prefix,
+    wait_balanced,
+)
 from tests.tiny_model import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(240)
@@ -259,3 +270,72 @@ def test_help_gives_each_option_with_its_default() -> None:
     for action in options:
         assert action.help and "(default: " in action.help, action.dest
     assert "(default: ws://127.0.0.1:8000/v1/chat)" in " ".join(result.stdout.split())
+
+
+# ---------------------------------------------------------------------- the server going away
+
+
+@pytest.fixture
+def restartable(tmp_path: Any) -> Iterator[Callable[[], ServerProcess]]:
+    """Start the same server (port, Redis prefix, model) as often as a test asks; each earlier
+    one must have been stopped or killed. Its keys are deleted at the end."""
+    tiny = make_tiny_llama(tmp_path / "tiny")
+    port, prefix = free_port(), unique_prefix()
+    started: list[ServerProcess] = []
+
+    def start() -> ServerProcess:
+        server = start_server(
+            tmp_path / f"server-{len(started)}.log",
+            *("--port", str(port), "--redis-url", REDIS_URL, "--redis-prefix", prefix),
+            *("--model", str(tiny), "--dtype", "float32"),
+        )
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(30)
+    delete_prefix(prefix)
+
+
+def test_the_server_going_away_while_idle_is_said_at_once_and_the_client_reconnects(
+    terminal: type[Terminal], restartable: Callable[[], ServerProcess]
+) -> None:
+    first = restartable()
+    t = terminal("--url", first.http, "--temperature", "0", "--max-tokens", "4")
+    t.read_until(b"> ")
+    assert first.stop() == 0
+    # Said on a line of its own within 2 s of the server's exit (polled every 0.2 s).
+    t.read_until(b"[the server went away; reconnecting", timeout=2.0)
+    t.send(b"Hello the")  # typed while it is away: kept in the line
+    mark = len(t.output)
+    restartable()
+    t.read_until(b"[reconnected: session ", start=mark)
+    t.send(b"re\r")
+    t.read_until(b" tokens; prompt ", start=mark)
+    assert "Traceback" not in t.text
+    t.send(CTRL_D)
+    assert t.wait() == 0
+
+
+def test_a_hard_kill_mid_answer_puts_the_error_on_its_own_line(
+    terminal: type[Terminal], restartable: Callable[[], ServerProcess]
+) -> None:
+    server = restartable()
+    t = terminal("--url", server.http, "--temperature", "0", "--max-tokens", "2000", "--ignore-eos")
+    t.read_until(b"> ")
+    t.send(b"Count.\r")
+    start = len(t.output)
+    while len(t.output) < start + 40:  # the answer is streaming
+        t._read(5.0)
+    server.proc.kill()
+    server.proc.wait(30)
+    t.read_until(b"[the connection was lost mid-answer]")
+    at = t.output.index(b"[the connection was lost mid-answer]")
+    assert t.output[at - 1 : at] in (b"\n", b"\r"), t.text[-300:]
+    restartable()
+    t.read_until(b"[reconnected: session ", start=at)
+    t.send(CTRL_D)
+    assert t.wait() == 0
