@@ -8,6 +8,8 @@ position p is a function of the tokens up to p (`kv_values`, shared with test_bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -108,6 +110,27 @@ def admit(bm: WindowedBlockManager, seq: Sequence, chunk: int) -> int | None:
     return n
 
 
+def prefill(
+    bm: WindowedBlockManager,
+    kv: GroupedKVStore,
+    seq: Sequence,
+    chunk: int,
+    after_step: Callable[[], None] = lambda: None,
+) -> None:
+    """Admit `seq` and compute its prompt `chunk` tokens a step, as the scheduler would."""
+    n = admit(bm, seq, chunk)
+    assert n == min(chunk, seq.num_tokens)
+    kv.run_ops()
+    kv.compute(seq, n)
+    while seq.num_uncomputed_tokens:
+        n = min(chunk, seq.num_uncomputed_tokens)
+        assert bm.can_append(seq, n)
+        bm.append_slots(seq, n)
+        kv.run_ops()
+        kv.compute(seq, n)
+        after_step()
+
+
 def held(table: list[Block | None]) -> int:
     return sum(b is not None for b in table)
 
@@ -128,19 +151,13 @@ def test_window_blocks_are_released_as_the_window_passes_and_full_blocks_are_kep
     bm = windowed(window=8, block_size=4, device=32)
     kv = GroupedKVStore(bm, 32, 32, 0)
     seq = make_seq(list(range(100, 160)))  # 60 tokens
-    n = admit(bm, seq, 4)
-    assert n == 4
-    kv.run_ops()
-    kv.compute(seq, n)
-    while seq.num_uncomputed_tokens:
-        n = min(4, seq.num_uncomputed_tokens)
-        assert bm.can_append(seq, n)
-        bm.append_slots(seq, n)
-        kv.run_ops()
-        kv.compute(seq, n)
+
+    def check() -> None:
         kv.assert_readable(seq, window=8)
         # The step from position p released every block before p - 7: 3 blocks stay at most.
         assert held(seq.window_block_table) <= 3
+
+    prefill(bm, kv, seq, 4, check)
     assert held(seq.block_table) == 15 and len(seq.window_block_table) == 15
     bm.check_invariants([seq])
     bm.free(seq)
@@ -154,13 +171,7 @@ def test_a_prefix_hit_needs_the_window_blocks_its_end_still_sees() -> None:
     bm = windowed(window=8, block_size=4, device=32, window_device=4)
     kv = GroupedKVStore(bm, 32, 4, 0)
     first = make_seq(list(range(40)))
-    assert admit(bm, first, 4) == 4
-    kv.run_ops()
-    kv.compute(first, 4)
-    while first.num_uncomputed_tokens:
-        bm.append_slots(first, 4)
-        kv.run_ops()
-        kv.compute(first, 4)
+    prefill(bm, kv, first, 4)
     bm.free(first)
     same = make_seq([*range(40), 99])
     hit = bm.find_prefix(same)
