@@ -300,6 +300,7 @@ def restartable(tmp_path: Any) -> Iterator[Callable[[], ServerProcess]]:
     delete_prefix(prefix)
 
 
+@pytest.mark.server
 def test_the_server_going_away_while_idle_is_said_at_once_and_the_client_reconnects(
     terminal: type[Terminal], restartable: Callable[[], ServerProcess]
 ) -> None:
@@ -320,6 +321,7 @@ def test_the_server_going_away_while_idle_is_said_at_once_and_the_client_reconne
     assert t.wait() == 0
 
 
+@pytest.mark.server
 def test_a_hard_kill_mid_answer_puts_the_error_on_its_own_line(
     terminal: type[Terminal], restartable: Callable[[], ServerProcess]
 ) -> None:
