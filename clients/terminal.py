@@ -30,7 +30,13 @@ import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidMessage,
+    InvalidStatus,
+    InvalidURI,
+)
 from websockets.protocol import State
 
 from clients.chat_client import ChatClient, ChatServerError
@@ -121,6 +127,8 @@ async def connect(args: argparse.Namespace, *, quiet: bool = False) -> ChatClien
             f"{args.url} answered HTTP {exc.response.status_code}, not a chat WebSocket "
             "(is it a pagechat server?)"
         ) from None
+    except InvalidMessage as exc:  # closed before an HTTP response: a server starting or going
+        raise Unreachable(f"{args.url}: not a chat WebSocket ({exc})") from None
     except (InvalidURI, InvalidHandshake) as exc:
         raise Failure(f"{args.url}: not a chat WebSocket ({exc})") from None
     except TimeoutError:
