@@ -175,7 +175,8 @@ class ModelRunner:
         self.window_groups = window_groups
         # The full group's pools: every layer's with one group; what the tier registers.
         self.device_pool, self.cpu_pool = self.pools[0].device, self.pools[0].cpu
-        self.scratch_block = num_device_blocks  # never in a block table the manager builds
+        # Never in a block table the manager builds (the full group's pool's last block).
+        self.scratch_block = self.pools[0].scratch_block
         if tier is not None:
             tier.register_pools(self.device_pool, self.cpu_pool)
         # Views into the device pools, taken once: indexing a pool per layer and step cost
