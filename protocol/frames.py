@@ -7,6 +7,7 @@ offers the `pagechat.msgpack` subprotocol gets the same objects as msgpack binar
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -46,6 +47,23 @@ class FinishReason(enum.StrEnum):
 # ---------------------------------------------------------------------- client -> server
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format.json_schema`: the answer is a JSON value `schema` accepts."""
+
+    name: str = "answer"  # OpenAI's required name; not used to answer
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None  # None: any JSON object
+    strict: bool | None = None  # answers follow the schema whatever it says
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format`: "text" (free), "json_object" (any JSON object) or
+    "json_schema" (`json_schema.schema`)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class UserParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a `user` frame asks to be answered; the server turns it into the engine's
     SamplingParams within its limits."""
@@ -65,6 +83,8 @@ class UserParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
     min_tokens: int = 0  # no end of turn or stop string before this many tokens
+    bad_words: list[str] = msgspec.field(default_factory=list)  # never written, vLLM's way
+    response_format: ResponseFormat | None = None  # the answer as JSON (OpenAI's field)
 
 
 class _ClientFrame(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):

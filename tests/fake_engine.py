@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from service.engine.blocks import hash_blocks
-from service.engine.params import SamplingParams
+from service.engine.grammar import GrammarCompiler
+from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.tokenizer import Tokenizer
 from service.engine.values import (
     BlockStats,
@@ -77,6 +78,7 @@ class FakeEngine:
         self.running: set[str] = set()
         self._cached: set[int] = set()  # hashes of every full block of every sequence seen
         self._started = False
+        self._grammars: GrammarCompiler | None = None
 
     async def start(self) -> None:
         self._started = True
@@ -120,6 +122,12 @@ class FakeEngine:
 
     async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         raise EngineDeadError("the fake engine keeps no pools")
+
+    async def check_structured(self, structured: StructuredOutput) -> None:
+        """As the engine checks it: compiled by llguidance on this tokenizer."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
+        self._grammars.check(structured)
 
     async def generate(
         self,

@@ -5,9 +5,13 @@ builder of the WebSocket (`user` frames) and the OpenAI endpoints. Each transpor
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from service.api.limits import Limits
-from service.engine.params import SamplingParams
+from service.engine.params import SamplingParams, StructuredOutput
+from service.engine.values import TextTokenizer
+
+MAX_BAD_WORDS = 64
 
 
 class SamplingErrorKind(enum.Enum):
@@ -48,6 +52,8 @@ def sampling_params(
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
     min_tokens: int = 0,
+    bad_words: tuple[tuple[int, ...], ...] = (),
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """An explicit max_tokens is refused under 1 (0 is no answer at all, never "the default":
     leaving it out is), over the limit, or (given `room`) past what the context holds; the
@@ -84,9 +90,26 @@ def sampling_params(
             repetition_penalty=repetition_penalty,
             min_p=min_p,
             min_tokens=min_tokens,
+            bad_words=bad_words,
+            structured=structured,
         )
     except ValueError as exc:
         raise SamplingError(str(exc), _field_named(str(exc))) from None
+
+
+def bad_word_ids(words: Sequence[str], tokenizer: TextTokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it reads at the start of a text and
+    after a space (" word" is other tokens in most vocabularies)."""
+    if len(words) > MAX_BAD_WORDS:
+        raise SamplingError(f"bad_words takes at most {MAX_BAD_WORDS} words", "bad_words")
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        if not word.strip():
+            raise SamplingError("bad_words must be non-empty words", "bad_words")
+        for text in (word, " " + word.lstrip()):
+            if ids := tuple(tokenizer.encode(text)):
+                found[ids] = None
+    return tuple(found)
 
 
 def _default(default_max_tokens: int, room: int | None) -> int:

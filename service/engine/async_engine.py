@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from service.engine.config import dtype_name
 from service.engine.engine import LLMEngine
-from service.engine.params import SamplingParams
+from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.tokenizer import Tokenizer
 from service.engine.values import (
     CacheScope,
@@ -161,6 +161,9 @@ class AsyncEngine:
         if tier is None:
             return self._stats
         return dataclasses.replace(self._stats, kv_tier=tier.stats())
+
+    async def check_structured(self, structured: StructuredOutput) -> None:
+        await asyncio.to_thread(self.engine.grammars.check, structured)
 
     async def kv_snapshot(self, max_sequences: int = 256) -> KVSnapshot:
         """The KV pools slot by slot and the live block tables, taken between two steps."""

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # An answer's length when its request names none: the engine's, the CLI's and the server's
 # (`Limits.default_max_tokens`, which an operator may change), one number.
 DEFAULT_MAX_TOKENS = 512
+
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What an answer must match (service/engine/grammar.py constrains it). `spec` by `kind`:
+    "json", a JSON Schema's text; "json_object", unused (any JSON object); "regex", a regular
+    expression (Rust's syntax; the whole answer matches); "choice", a JSON list of the strings
+    allowed; "grammar", a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's,
+    told by its `::=`)."""
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,6 +57,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # let no stop token or stop string end the answer before min_tokens tokens.
     min_p: float = 0.0
     min_tokens: int = 0
+    # vLLM's bad_words, as token sequences (the API tokenizes each word with and without a
+    # leading space): a sequence's last token is never picked where it would complete it.
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # The answer must match this; the sampler picks only tokens that keep it matching, and
+    # the answer ends where the grammar does.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -76,6 +98,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("min_p must be in [0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in 0..max_tokens")
+        if any(not word or min(word) < 0 for word in self.bad_words):
+            raise ValueError("bad_words are non-empty sequences of token ids >= 0")
 
     @property
     def greedy(self) -> bool:

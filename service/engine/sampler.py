@@ -1,6 +1,6 @@
-"""Batched sampling: logit bias, penalties (presence, frequency, repetition), tokens held back
-until min_tokens, greedy, temperature, top-k, top-p, min-p, per-request seeds,
-log-probabilities.
+"""Batched sampling: logit bias, penalties (presence, frequency, repetition), bad words, tokens
+held back until min_tokens, grammar masks (structured output), greedy, temperature, top-k,
+top-p, min-p, per-request seeds, log-probabilities.
 
 One pass over the batch with tensor ops and a single device-to-host copy of the chosen ids.
 Random rows use the exponential-race trick (argmax of p / E with E ~ Exp(1) is a draw from p),
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.grammar import apply_bitmask
 from service.engine.params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class SamplingRow:
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
     blocked: frozenset[int] = frozenset()  # ids it may not pick now (stop ids, min_tokens)
+    # The ids its grammar allows now, one bit each (grammar.TokenBitmasks); None: any.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -50,8 +53,13 @@ class Sampler:
             logits = _with_logit_bias(logits, rows)
         if any(r.params.penalized for r in rows):
             logits = _with_penalties(logits, rows)
+        unmasked = logits
+        if any(r.params.bad_words for r in rows):
+            logits = _without_bad_words(logits, rows)
         if any(r.blocked for r in rows):
             logits = _without_blocked(logits, rows)
+        if any(r.allowed is not None for r in rows):
+            logits = _within_grammar(logits, unmasked, rows)
         chosen = logits.argmax(dim=-1)  # [S] greedy for all; random rows overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -170,11 +178,38 @@ def _with_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
-def _without_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A copy of `logits` with each row's blocked ids at -inf (its stop ids before
-    min_tokens)."""
+def _without_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with each bad word's last token at -inf in every row whose tokens
+    end with the rest of the word (a one-token word: always)."""
     vocab = logits.shape[1]
-    pairs = [(i, t) for i, r in enumerate(rows) for t in r.blocked if t < vocab]
+    pairs = []
+    for i, r in enumerate(rows):
+        answer = r.token_ids[r.num_prompt_tokens :] if r.params.bad_words else ()
+        for word in r.params.bad_words:
+            *head, last = word
+            if last < vocab and (not head or list(answer[-len(head) :]) == head):
+                pairs.append((i, last))
+    return _with_minus_inf(logits, pairs)
+
+
+def _within_grammar(
+    logits: torch.Tensor, unmasked: torch.Tensor, rows: list[SamplingRow]
+) -> torch.Tensor:
+    """A copy of `logits` with what each constrained row's grammar forbids at -inf. The
+    grammar wins over the other masks: a row they would leave with nothing (the end held back
+    by min_tokens where the grammar allows only the end; a bad word the grammar requires)
+    takes its grammar's ids from `unmasked`, the logits before those masks."""
+    constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+    bitmask = torch.stack([rows[i].allowed for i in constrained])  # type: ignore[misc]
+    out = apply_bitmask(logits, constrained, bitmask)
+    emptied = torch.isneginf(out[constrained]).all(dim=-1).nonzero().flatten().tolist()
+    if emptied:
+        rows_emptied = [constrained[j] for j in emptied]
+        out[rows_emptied] = apply_bitmask(unmasked, rows_emptied, bitmask[emptied])[rows_emptied]
+    return out
+
+
+def _with_minus_inf(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
     out = logits.clone()
     if pairs:
         row_ids, token_ids = zip(*pairs, strict=True)
@@ -183,6 +218,15 @@ def _without_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             torch.tensor(token_ids, device=logits.device),
         ] = float("-inf")
     return out
+
+
+def _without_blocked(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A copy of `logits` with each row's blocked ids at -inf (its stop ids before
+    min_tokens)."""
+    vocab = logits.shape[1]
+    return _with_minus_inf(
+        logits, [(i, t) for i, r in enumerate(rows) for t in r.blocked if t < vocab]
+    )
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -20,6 +20,7 @@ from service.engine.params import SamplingParams
 from service.engine.values import CacheScope, FinishReason
 
 if TYPE_CHECKING:
+    from service.engine.grammar import GrammarMatcher
     from service.engine.kvtier.connector import TierState
 
 
@@ -68,6 +69,8 @@ class Sequence:
     # tier is asked, once per admission; then the load in flight, or the run it returned
     # until the sequence is admitted.
     tier: TierState | None = None
+    # Where its answer is in the grammar it must match (params.structured); None: free.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,4 +111,5 @@ class Sequence:
             num_swapped_in_tokens=self.num_swapped_in_tokens,
             num_loaded_tokens=self.num_loaded_tokens,
             generator=generator,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from service.engine.params import SamplingParams
+from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.values import (
     CacheScope,
     EngineLimits,
@@ -61,6 +61,11 @@ class ServingEngine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    async def check_structured(self, structured: StructuredOutput) -> None:
+        """GrammarError unless answers can be constrained to `structured` (it is compiled
+        now, off the event loop, and cached for the request that follows)."""
+        ...
 
     def generate(
         self,

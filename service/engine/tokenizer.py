@@ -248,6 +248,11 @@ class Tokenizer:
         ids.extend(self.encode("".join(plain)))
         return ids
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as Hugging Face's `tokenizer.json` text (what llguidance reads)."""
+        text: str = self._backend.to_str()
+        return text
+
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 

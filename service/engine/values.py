@@ -24,6 +24,11 @@ class RequestError(ValueError):
     """A request the engine cannot serve as given (too long, duplicate id, ...)."""
 
 
+class GrammarError(ValueError):
+    """A structured output that cannot be constrained (a schema, regex or grammar the matcher
+    rejects): the message says which part and why."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine has stopped, or failed: no request can be served."""
 
@@ -184,12 +189,16 @@ class StepTiming:
     schedule: float = 0.0
     prepare: float = 0.0  # block moves, input tensors, attention plan
     forward: float = 0.0
+    grammar: float = 0.0  # waiting, after the forward, for the grammar masks still filling
     sample: float = 0.0
     postprocess: float = 0.0  # detokenize, stop checks, free finished sequences
 
     @property
     def total(self) -> float:
-        return self.schedule + self.prepare + self.forward + self.sample + self.postprocess
+        return (
+            self.schedule + self.prepare + self.forward + self.grammar + self.sample
+            + self.postprocess
+        )  # fmt: skip
 
     @property
     def overhead_share(self) -> float:

@@ -170,3 +170,62 @@ def test_min_p_keeps_only_tokens_near_the_likeliest(sampler: Sampler) -> None:
 def test_penalties_are_validated(params: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)  # type: ignore[arg-type]
+
+
+def bitmask(*allowed_rows: set[int], vocab: int = V) -> torch.Tensor:
+    """llguidance's layout: bit i of int32 word w allows id 32 w + i."""
+    words = (vocab + 31) // 32
+    out = torch.zeros(len(allowed_rows), words, dtype=torch.int64)
+    for r, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            out[r, t // 32] |= 1 << (t % 32)
+    return out.to(torch.int32)  # (bit 31 wraps to the sign, as in llguidance's masks)
+
+
+def test_a_grammar_mask_keeps_exactly_its_allowed_ids_in_its_own_row(sampler: Sampler) -> None:
+    x = torch.randn(3, 40)
+    masks = bitmask({1, 31, 33}, {0}, vocab=40)
+    rows = [
+        SamplingRow(SamplingParams(temperature=1.0, seed=2), None, allowed=masks[0]),
+        row(temperature=0),
+        SamplingRow(SamplingParams(temperature=0), None, allowed=masks[1]),
+    ]
+    picked = [sampler(x, rows) for _ in range(30)]
+    assert {p[0].token_id for p in picked} <= {1, 31, 33}
+    assert {p[1].token_id for p in picked} == {int(x[1].argmax())}  # unconstrained: untouched
+    assert {p[2].token_id for p in picked} == {0}
+
+
+def test_ids_past_the_masks_width_are_forbidden() -> None:
+    """A padded vocabulary (logits wider than the tokenizer's ids) never leaks a padding id."""
+    from service.engine.grammar import apply_bitmask
+
+    x = torch.zeros(1, 70)
+    x[0, 65] = 10.0
+    out = apply_bitmask(x, [0], bitmask({3}, vocab=40))
+    assert out[0].argmax() == 3 and torch.isneginf(out[0, 40:]).all()
+
+
+def test_the_grammar_wins_where_the_other_masks_would_leave_nothing(sampler: Sampler) -> None:
+    """min_tokens blocks the end id and a bad word bans another; the grammar allows only those
+    two: the row picks from the grammar's ids rather than from nothing."""
+    x = logits([0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0])
+    params = SamplingParams(temperature=0, bad_words=((3,),))
+    rows = [SamplingRow(params, None, blocked=frozenset({2}), allowed=bitmask({2, 3})[0])]
+    assert sampler(x, rows)[0].token_id == 3
+    free = SamplingRow(params, None, blocked=frozenset({2}), allowed=bitmask({1, 2, 3})[0])
+    assert sampler(x, [free])[0].token_id == 1  # where the grammar leaves a choice, both hold
+
+
+def test_bad_words_ban_their_last_token_only_where_the_rest_precedes_it(sampler: Sampler) -> None:
+    """[5] is banned everywhere; [6, 7] only right after a 6."""
+    x = logits([0.0] * 5 + [9.0, 0.0, 8.0])
+    params = SamplingParams(temperature=0, bad_words=((5,), (6, 7)))
+
+    def pick(answer: list[int]) -> int:
+        r = SamplingRow(params, None, token_ids=[1, 2, *answer], num_prompt_tokens=2)
+        return sampler(x, [r])[0].token_id
+
+    assert pick([]) == 7
+    assert pick([6]) not in (5, 7)
+    assert pick([6, 1]) == 7

@@ -5,7 +5,7 @@ parameters, or an `OpenAIError` in OpenAI's shape (`{"error": {"message", "type"
 NOTE (schema): as vLLM's server does, every field of OpenAI's request is accepted, and an
 explicit null means the field's default. A field is honoured, or ignored (metadata and hints
 that change nothing an answer holds), or refused with a 400 naming it when it asks for what
-this server cannot do (tools, JSON output, audio, penalties). A field OpenAI does not have is
+this server cannot do (tools, audio). A field OpenAI does not have is
 refused too, so a misspelt option never silently does nothing. docs/protocol.md lists each.
 """
 
@@ -19,6 +19,7 @@ from service.api.limits import Limits
 from service.api.openai.errors import context_exceeded, invalid, unsupported
 from service.api.openai.params import SamplingFields, decode_fields, engine_params
 from service.engine.params import SamplingParams
+from service.engine.values import TextTokenizer
 from service.sessions.prompt import ChatFormat, TemplateError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -51,17 +52,12 @@ class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_call_id: str | None = None  # a tool message's: refused with its role
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str  # only "text"; a json_schema's own fields are never read
-
-
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessageIn]
     # Honoured.
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's, honoured: with a final assistant message, continue it (the default here) or
     # answer it with a new turn (add_generation_prompt: true).
     continue_final_message: bool | None = None
@@ -123,12 +119,6 @@ def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
     for name in ("audio", "prediction", "web_search_options", "moderation"):
         if getattr(req, name) is not None:
             raise unsupported(name)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise invalid(
-            f"response_format {req.response_format.type!r} is not supported (only 'text')",
-            "response_format",
-            "unsupported_value",
-        )
 
 
 def render_prompt(
@@ -186,6 +176,7 @@ def chat_params(
     prompt_tokens: int,
     max_model_len: int,
     vocab_size: int | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> SamplingParams:
     """A chat request's sampling fields as the engine's parameters."""
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -194,7 +185,7 @@ def chat_params(
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     return engine_params(
         req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size,
-        max_tokens_param=named,
+        max_tokens_param=named, tokenizer=tokenizer,
     )  # fmt: skip
 
 

@@ -78,6 +78,7 @@ def completion_params(
     prompt_tokens: int,
     max_model_len: int,
     vocab_size: int | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> SamplingParams:
     default = limits.default_completion_tokens
     return engine_params(
@@ -91,4 +92,5 @@ def completion_params(
         vocab_size,
         logprobs_param="logprobs",
         prompt_param="prompt",
+        tokenizer=tokenizer,
     )

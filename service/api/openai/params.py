@@ -3,14 +3,22 @@ SamplingParams; and the fields accepted only at the value this server always beh
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
+from protocol.frames import ResponseFormat
 from service.api.limits import Limits
 from service.api.openai.errors import context_exceeded, decode_error, invalid, model_not_found
-from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
-from service.engine.params import SamplingParams
+from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
+from service.api.structured import (
+    StructuredError,
+    StructuredOutputs,
+    from_response_format,
+    from_vllm_fields,
+)
+from service.engine.params import SamplingParams, StructuredOutput
+from service.engine.values import TextTokenizer
 
 # Fields accepted at the value this server always behaves as, refused at any other.
 NEUTRAL = {
@@ -66,6 +74,15 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     min_p: float | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the answer never writes
+    # Structured output, honoured: OpenAI's response_format (json_object, json_schema) and
+    # vLLM's structured_outputs and older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted at their neutral values only (NEUTRAL).
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
@@ -87,6 +104,7 @@ def decode_fields(body: bytes, kind: type[Request], what: str, served: tuple[str
     refuse_penalties(req)
     if req.cache_salt is not None and not req.cache_salt:
         raise invalid("cache_salt must be a non-empty string", "cache_salt")
+    structured_output(req)  # its fields' shapes; the engine checks the schema or grammar
     return req
 
 
@@ -102,6 +120,7 @@ def engine_params(
     logprobs_param: str = "top_logprobs",  # what the request calls `logprobs`
     prompt_param: str = "messages",  # what the request calls its prompt
     max_tokens_param: str = "max_tokens",  # what the request called `asked`
+    tokenizer: TextTokenizer | None = None,  # bad_words are tokenized with it
 ) -> SamplingParams:
     """OpenAI's sampling fields as the engine's parameters, within the server's limits.
 
@@ -116,7 +135,9 @@ def engine_params(
     if len(stop) > 4:
         raise invalid("stop takes at most 4 strings", "stop")
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
+    structured = structured_output(req)
     try:
+        bad_words = bad_word_ids(req.bad_words or (), tokenizer) if tokenizer else ()
         return sampling_params(
             limits,
             max_tokens=asked,
@@ -137,6 +158,8 @@ def engine_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens or 0,
+            bad_words=bad_words,
+            structured=None if structured is None else structured[0],
         )
     except SamplingError as exc:
         if exc.kind is SamplingErrorKind.CONTEXT:
@@ -146,6 +169,26 @@ def engine_params(
             ) from None  # fmt: skip
         renamed = {"logprobs": logprobs_param, "max_tokens": max_tokens_param}
         raise invalid(str(exc), renamed.get(exc.param or "", exc.param)) from None
+
+
+def structured_output(req: SamplingFields) -> tuple[StructuredOutput, str] | None:
+    """What the answer must match and the field that asked it (None: free text)."""
+    try:
+        from_format = from_response_format(req.response_format)
+        from_vllm = from_vllm_fields(
+            req.structured_outputs,
+            req.guided_json,
+            req.guided_regex,
+            req.guided_choice,
+            req.guided_grammar,
+        )
+    except StructuredError as exc:
+        raise invalid(str(exc), exc.param) from None
+    if from_format is not None and from_vllm is not None:
+        raise invalid(
+            f"one structured output at a time: response_format and {from_vllm[1]}", from_vllm[1]
+        )
+    return (from_format, "response_format") if from_format is not None else from_vllm
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:

@@ -45,11 +45,12 @@ from service.api.openai.completion_request import (
     completion_prompt,
     decode_completion_request,
 )
-from service.api.openai.errors import OpenAIError, model_not_found, refusal_error
+from service.api.openai.errors import OpenAIError, invalid, model_not_found, refusal_error
+from service.api.openai.params import structured_output
 from service.api.openai.sse import EventStream, until_disconnected
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
-from service.engine.values import CacheScope
+from service.engine.values import CacheScope, GrammarError
 from service.sessions.prompt import ChatFormat
 
 _json = msgspec.json.Encoder()
@@ -125,7 +126,9 @@ class OpenAIRoutes:
     ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         req = decode_request(body, parts.names)
         prompt = render_prompt(req, parts.chat_format, parts.limits, parts.sizes[0])
-        return req, prompt, chat_params(req, parts.limits, len(prompt), *parts.sizes)
+        tokenizer = parts.engine.tokenizer
+        params = chat_params(req, parts.limits, len(prompt), *parts.sizes, tokenizer=tokenizer)
+        return req, prompt, params
 
     @staticmethod
     def _text(
@@ -133,7 +136,13 @@ class OpenAIRoutes:
     ) -> tuple[CompletionRequest, list[int], SamplingParams]:
         req = decode_completion_request(body, parts.names)
         prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits)
-        return req, prompt, completion_params(req, parts.limits, len(prompt), *parts.sizes)
+        tokenizer = parts.engine.tokenizer
+        sizes = parts.sizes
+        return (
+            req,
+            prompt,
+            completion_params(req, parts.limits, len(prompt), *sizes, tokenizer=tokenizer),
+        )
 
     async def _answer(
         self,
@@ -147,6 +156,7 @@ class OpenAIRoutes:
             async with asyncio.timeout(limits.body_timeout_s):
                 body = await _body(request, limits.max_body_bytes)
             req, prompt, params = parse(body, parts)
+            await _check_structured(parts.engine, req, params)
         except OpenAIError as exc:
             return self._error(exc, parts)
         except TimeoutError:
@@ -195,6 +205,18 @@ class OpenAIRoutes:
     def _error(exc: OpenAIError, parts: OpenAIParts) -> Response:
         parts.metrics.errors.labels(exc.code).inc()
         return exc.response()
+
+
+async def _check_structured(engine: ServingEngine, req: AnyRequest, params: SamplingParams) -> None:
+    """A 400 naming the field whose schema, regex or grammar cannot be matched."""
+    if params.structured is None:
+        return
+    try:
+        await engine.check_structured(params.structured)
+    except GrammarError as exc:
+        asked = structured_output(req)
+        param = asked[1] if asked else None
+        raise invalid(f"{param}: cannot constrain the answer to it: {exc}", param) from None
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

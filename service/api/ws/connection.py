@@ -45,11 +45,13 @@ from service.api.admission import Admission
 from service.api.limits import Limits
 from service.api.observability.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
-from service.api.sampling import SamplingError, SamplingErrorKind, sampling_params
+from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
+from service.api.structured import StructuredError, from_response_format
 from service.api.ws.sender import ClientGone, FrameSender
 from service.api.ws.turn import Turn
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
+from service.engine.values import GrammarError
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.store import SessionNotFound, SessionStore, WrongSecret
 
@@ -230,7 +232,7 @@ class ChatConnection:
         if self.state is State.CLOSED:
             raise FrameError(ErrorCode.SHUTTING_DOWN, "this connection is closing")
         if isinstance(frame, User):
-            self._start_turn(frame, received)
+            await self._start_turn(frame, received)
         elif isinstance(frame, Cancel):
             if self._turn is not None:  # a cancel racing the end of an answer is harmless
                 self._turn.cancel(FinishReason.CANCELLED)
@@ -307,7 +309,7 @@ class ChatConnection:
             )
         )
 
-    def _start_turn(self, frame: User, received: float) -> None:
+    async def _start_turn(self, frame: User, received: float) -> None:
         if self.state is State.ACCEPTED:
             raise FrameError(ErrorCode.NO_SESSION, "send open or resume first")
         if self.state is State.STREAMING:
@@ -321,6 +323,14 @@ class ChatConnection:
                 limit=limits.max_message_chars,
             )
         params = self._params(frame.params)
+        if params.structured is not None:
+            try:
+                await self.parts.engine.check_structured(params.structured)
+            except GrammarError as exc:
+                raise FrameError(
+                    ErrorCode.INVALID_PARAMS,
+                    f"response_format: cannot constrain the answer to it: {exc}",
+                ) from None
         assert self.session_id is not None
         refusal = self.parts.admission.begin_turn(self.session_id)
         if refusal is not None:
@@ -346,6 +356,8 @@ class ChatConnection:
     def _params(self, asked: UserParams) -> SamplingParams:
         limits = self.parts.limits
         try:
+            structured = from_response_format(asked.response_format, "params.response_format")
+            bad_words = bad_word_ids(asked.bad_words, self.parts.engine.tokenizer)
             return sampling_params(
                 limits,
                 max_tokens=asked.max_tokens,
@@ -362,7 +374,11 @@ class ChatConnection:
                 repetition_penalty=asked.repetition_penalty,
                 min_p=asked.min_p,
                 min_tokens=asked.min_tokens,
+                bad_words=bad_words,
+                structured=structured,
             )
+        except StructuredError as exc:
+            raise FrameError(ErrorCode.INVALID_PARAMS, str(exc)) from None
         except SamplingError as exc:
             over = exc.kind is SamplingErrorKind.OVER_LIMIT
             code = ErrorCode.MAX_TOKENS_TOO_LARGE if over else ErrorCode.INVALID_PARAMS

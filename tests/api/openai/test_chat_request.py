@@ -24,7 +24,7 @@ from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError
 from service.api.openai.params import StreamOptions
 from service.api.openai.routes import http_error
-from service.engine.params import SamplingParams
+from service.engine.params import SamplingParams, StructuredOutput
 from service.sessions.prompt import ChatFormat
 from tests.tiny_model import gguf_tokenizer
 
@@ -116,6 +116,7 @@ def test_harmless_metadata_is_accepted_and_ignored() -> None:
         frequency_penalty=0.0,
         repetition_penalty=1.0,
         min_tokens=0,
+        bad_words=[],
     )
     assert params(req) == params(decode())
 
@@ -134,11 +135,20 @@ def test_logprobs_top_k_ignore_eos_and_stop_token_ids_reach_the_engine() -> None
     ("body", "param", "code"),
     [
         ({"model": "other"}, "model", "model_not_found"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format", "invalid_value"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
+        ({"structured_outputs": {}}, "structured_outputs", "invalid_value"),
+        ({"guided_choice": []}, "guided_choice", "invalid_value"),
+        ({"guided_json": "{not json"}, "guided_json", "invalid_value"),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-            "response_format",
-            "unsupported_value",
+            {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "guided_regex",
+            "invalid_value",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs.choice",
+            "invalid_value",
         ),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
         ({"tool_choice": "required"}, "tool_choice", None),
@@ -393,3 +403,73 @@ def test_max_completion_tokens_refusals_name_max_completion_tokens() -> None:
     with pytest.raises(OpenAIError) as caught:
         params(decode(max_tokens=0))
     assert caught.value.param == "max_tokens"
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput(kind="json_object")),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            StructuredOutput(kind="json_object"),  # OpenAI's: no schema, any JSON object
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        (
+            {"structured_outputs": {"json": json.dumps(SCHEMA)}},  # a schema's text will do
+            StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        (
+            {"structured_outputs": {"choice": ["yes", "no"]}},
+            StructuredOutput(kind="choice", spec='["yes", "no"]'),
+        ),
+        (
+            {"structured_outputs": {"regex": "[0-9]+"}},
+            StructuredOutput(kind="regex", spec="[0-9]+"),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'start: "a"'}},
+            StructuredOutput(kind="grammar", spec='start: "a"'),
+        ),
+        ({"guided_regex": "x+"}, StructuredOutput(kind="regex", spec="x+")),
+        ({"guided_choice": ["a"]}, StructuredOutput(kind="choice", spec='["a"]')),
+        (
+            {"guided_json": SCHEMA},
+            StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+    ],
+    ids=lambda v: json.dumps(v)[:40] if isinstance(v, dict) else None,
+)
+def test_structured_output_fields_reach_the_engine_as_one_structured_output(
+    body: dict[str, Any], expected: StructuredOutput | None
+) -> None:
+    assert params(decode(**body)).structured == expected
+
+
+def test_a_schemas_properties_keep_their_order() -> None:
+    """The answer writes an object's properties in the order its schema lists them."""
+    body = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    spec = params(decode(response_format=body)).structured
+    assert spec is not None and list(json.loads(spec.spec)["properties"]) == ["b", "a"]
+
+
+def test_bad_words_are_tokenized_at_a_texts_start_and_after_a_space() -> None:
+    tokenizer = gguf_tokenizer()
+    req = decode(bad_words=["Paris", "la femme"])
+    got = chat_params(req, Limits(), 10, 2048, tokenizer=tokenizer).bad_words
+    expected = {tuple(tokenizer.encode(t)) for t in ("Paris", " Paris", "la femme", " la femme")}
+    assert set(got) == expected
+    with pytest.raises(OpenAIError) as caught:
+        chat_params(decode(bad_words=[" "]), Limits(), 10, 2048, tokenizer=tokenizer)
+    assert caught.value.param == "bad_words"

@@ -1,0 +1,193 @@
+"""Constrained decoding: answers that must match a JSON Schema, a regular expression, one of
+a list of choices, or a grammar.
+
+llguidance does the matching (chosen over xgrammar on measurements: benchmarks/
+grammar_backends.py and docs/perf.md; it has no dependencies, compiles a schema in about a
+millisecond where xgrammar's slow cases take hundreds, and its token masks stay fast without
+a per-vocabulary cache). One `GrammarCompiler` per engine owns the tokenizer's trie and a cache
+of compiled grammars keyed by what was asked; each sequence owns a `GrammarMatcher`, copied
+from the cached one, that follows its answer token by token; a sample forked from another
+(n > 1) copies its parent's. `TokenBitmasks` fills the batch's allowed-token bitmasks in one
+parallel call, on a worker thread while the forward runs; the sampler applies them to the
+logits before anything is picked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import llguidance
+import torch
+from llguidance.gbnf_to_lark import any_to_lark  # GBNF as Lark; Lark as it is
+
+from service.engine.params import StructuredOutput
+from service.engine.tokenizer import Tokenizer
+from service.engine.values import GrammarError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
+# Compact JSON with the spaces Python's json.dumps writes (", " and ": "), which is what
+# models have read most: never a run of whitespace, which a small model can repeat until the
+# answer's length runs out.
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+_CACHE_SIZE = 256
+
+
+class GrammarMatcher:
+    """One sample's place in its grammar."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fork(self) -> GrammarMatcher:
+        return GrammarMatcher(self._matcher.deep_copy())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (the mask
+        makes that impossible; the matcher is then in an error state)."""
+        return bool(self._matcher.consume_token(token_id))
+
+    @property
+    def is_finished(self) -> bool:
+        """The answer is complete: the grammar allows nothing more (or the end was sampled)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class GrammarCompiler:
+    """The tokenizer as llguidance sees it, and compiled grammars by what was asked.
+
+    Thread-safe: the API checks a request's grammar (and so compiles it) before the engine
+    takes the request; the engine then only copies the cached matcher."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # the logits' width, which the bitmasks cover
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.backend_json(),
+            n_vocab=vocab_size,
+            eos_token=list(tokenizer.eos_token_ids),
+        )
+        self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, structured: StructuredOutput) -> None:
+        """GrammarError if `structured` cannot be constrained."""
+        self._compiled(structured)
+
+    def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
+        return GrammarMatcher(self._compiled(structured).deep_copy())
+
+    def _compiled(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        with self._lock:
+            if (hit := self._cache.get(structured)) is not None:
+                self._cache.move_to_end(structured)
+                return hit
+        # Compiling drops the GIL (llguidance); two threads compiling one grammar at once
+        # only do the work twice.
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(structured), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_one_line(matcher.get_error()))
+        with self._lock:
+            self._cache[structured] = matcher
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+
+def grammar_text(structured: StructuredOutput) -> str:
+    """llguidance's grammar for `structured`; GrammarError for a spec that is not one."""
+    kind, spec = structured.kind, structured.spec
+    try:
+        if kind == "json":
+            schema = json.loads(spec)
+            if schema is True:
+                schema = {}  # JSON Schema's true: any value
+            if not isinstance(schema, dict):
+                raise GrammarError("a JSON Schema is an object (or true)")
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS))
+        if kind == "json_object":
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+            )
+        if kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(spec))
+        if kind == "choice":
+            choices = json.loads(spec)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise GrammarError("choice is a non-empty list of non-empty strings")
+            # JSON's string literals are Lark's: each choice matched exactly as written.
+            return str(llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in choices)
+            ))  # fmt: skip
+        return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec)))
+    except (ValueError, TypeError) as exc:  # json's errors and llguidance's
+        if isinstance(exc, GrammarError):
+            raise
+        raise GrammarError(_one_line(str(exc))) from None
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message on one line, short enough for an error body."""
+    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+    return (text[:300] + "...") if len(text) > 300 else text or "invalid grammar"
+
+
+class TokenBitmasks:
+    """The batch's allowed tokens, one bit per vocabulary id (llguidance's layout: 32 ids to
+    an int32), filled for many matchers in one call on llguidance's own threads."""
+
+    def __init__(self, vocab_size: int, max_rows: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._bitmask = torch.full((max_rows, self.words), -1, dtype=torch.int32)
+        self._executor = llguidance.LLExecutor()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def fill_async(self, matchers: Sequence[GrammarMatcher]) -> Future[torch.Tensor]:
+        """Start filling row i for matchers[i]; the future gives the [len(matchers), words]
+        rows (a view, valid until the next fill)."""
+        return self._worker.submit(self.fill, matchers)
+
+    def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        count = len(matchers)
+        if count > self._bitmask.shape[0]:
+            self._bitmask = torch.full((count, self.words), -1, dtype=torch.int32)
+        rows = self._bitmask[:count]
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, rows.data_ptr(), self.words * 4, self._bitmask.shape[0]
+        )
+        return rows
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` with every id that bitmask row j forbids set to -inf in row
+    rows[j]; ids past the bitmask's width (a padded vocabulary) are forbidden too."""
+    vocab = logits.shape[1]
+    words = bitmask.to(logits.device, non_blocking=True)  # [R, W] int32
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()  # [R, 32 W]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return out
