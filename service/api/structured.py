@@ -51,6 +51,8 @@ def from_response_format(
         schema = fmt.json_schema.schema
         if schema is None:  # OpenAI's: a schema-less json_schema is any JSON object
             return StructuredOutput(kind="json_object")
+        if fmt.json_schema.strict and isinstance(schema, dict):
+            schema = closed(schema)
         return StructuredOutput(kind="json", spec=_schema_text(schema, param))
     raise StructuredError(
         f"{param} type {fmt.type!r} is not supported (text, json_object, json_schema)", param
@@ -120,6 +122,21 @@ def _from_outputs(outputs: StructuredOutputs) -> list[tuple[StructuredOutput, st
             "structured_outputs",
         )
     return found
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that does not say otherwise closed (`additionalProperties:
+    false`), as OpenAI's strict mode has them: only the properties listed are written. (An
+    open object lets the answer add properties without end.)"""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed(value) for key, value in schema.items()}
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _choice(choices: list[str], param: str) -> StructuredOutput:

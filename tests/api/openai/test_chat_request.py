@@ -421,10 +421,22 @@ SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": False},
                 }
             },
             StructuredOutput(kind="json", spec=json.dumps(SCHEMA, separators=(",", ":"))),
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },  # strict: objects that do not say are closed, as OpenAI's strict mode has them
+            StructuredOutput(
+                kind="json",
+                spec=json.dumps({**SCHEMA, "additionalProperties": False}, separators=(",", ":")),
+            ),
         ),
         (
             {"structured_outputs": {"json": json.dumps(SCHEMA)}},  # a schema's text will do
