@@ -60,7 +60,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> Schema:
     """An object schema (the top level of every structured-output request) of up to three
     levels."""
     names = rng.sample(_NAMES, rng.randint(1, 5 if depth == 0 else 3))
-    properties = {name: _value_schema(rng, depth + 1) for name in names}
+    properties = {name: value_schema(rng, depth + 1) for name in names}
     required = [n for n in names if rng.random() < 0.7]
     schema: Schema = {"type": "object", "properties": properties}
     if required:
@@ -69,7 +69,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> Schema:
     return schema
 
 
-def _value_schema(rng: random.Random, depth: int) -> Schema:
+def value_schema(rng: random.Random, depth: int) -> Schema:
     kinds = ["string", "integer", "number", "boolean", "enum", "pattern", "null-or", "const"]
     if depth < 3:
         kinds += ["object", "array", "anyOf"]
@@ -103,11 +103,11 @@ def _value_schema(rng: random.Random, depth: int) -> Schema:
         low = rng.randint(0, 2)
         return {
             "type": "array",
-            "items": _value_schema(rng, depth + 1),
+            "items": value_schema(rng, depth + 1),
             "minItems": low,
             "maxItems": low + rng.randint(0, 3),
         }
-    return {"anyOf": [_value_schema(rng, depth + 1) for _ in range(rng.randint(2, 3))]}
+    return {"anyOf": [value_schema(rng, depth + 1) for _ in range(rng.randint(2, 3))]}
 
 
 def random_instance(schema: Schema, rng: random.Random) -> Any:

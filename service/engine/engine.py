@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -325,15 +324,15 @@ class LLMEngine:
         sampling = [c for c in batch.chunks if c.samples]  # before their tokens count as computed
         clock.lap("schedule")
 
-        masks = self._fill_grammar_masks(sampling)  # on a worker thread, beside the forward
         inputs = self.step_runner.prepare(batch)
         clock.lap("prepare")
         logits = self.step_runner.execute(inputs)  # [len(sampling), V]
         clock.lap("forward")
 
-        self._count_computed(batch.chunks)
-        allowed = _allowed_by_seq(masks)
+        # After the launch: on a GPU the forward is still running while the masks fill.
+        allowed = self._grammar_masks(sampling)
         clock.lap("grammar")
+        self._count_computed(batch.chunks)
         outputs, samples = self._sample(sampling, logits, allowed)
         clock.lap("sample")
         outputs += self._append_tokens(samples)
@@ -402,8 +401,6 @@ class LLMEngine:
         """Write what the third tier has queued and stop its threads (at shutdown)."""
         if self.kv_tier is not None:
             self.kv_tier.close()
-        if self._bitmasks is not None:
-            self._bitmasks.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -427,16 +424,16 @@ class LLMEngine:
                 )
             seq.num_computed_tokens += chunk.num_tokens
 
-    def _fill_grammar_masks(self, sampling: list[ScheduledChunk]) -> _GrammarMasks | None:
-        """Start filling the allowed-token bitmasks of the sequences about to sample that
-        follow a grammar (a fork made after this step's prefill starts where its parent is)."""
+    def _grammar_masks(self, sampling: list[ScheduledChunk]) -> dict[int, torch.Tensor]:
+        """The allowed-token bitmask row of each sequence about to sample that follows a
+        grammar, by seq_id (a fork made after this step's prefill shares its parent's)."""
         constrained = [c.seq for c in sampling if c.seq.grammar is not None]
         if not constrained:
-            return None
+            return {}
         if self._bitmasks is None:
             self._bitmasks = TokenBitmasks(self.vocab_size, self.config.max_num_seqs)
-        matchers = [seq.grammar for seq in constrained if seq.grammar is not None]
-        return constrained, self._bitmasks.fill_async(matchers)
+        rows = self._bitmasks.fill([seq.grammar for seq in constrained if seq.grammar])
+        return {seq.seq_id: rows[i] for i, seq in enumerate(constrained)}
 
     def _sample(
         self,
@@ -595,18 +592,6 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             first_scheduled_time=seq.first_scheduled_time,
         )
-
-
-_GrammarMasks = tuple[list[Sequence], "Future[torch.Tensor]"]
-
-
-def _allowed_by_seq(masks: _GrammarMasks | None) -> dict[int, torch.Tensor]:
-    """Each constrained sequence's bitmask row, by seq_id, once the fill is done."""
-    if masks is None:
-        return {}
-    constrained, filling = masks
-    rows = filling.result()
-    return {seq.seq_id: rows[i] for i, seq in enumerate(constrained)}
 
 
 Phase = Literal["schedule", "prepare", "forward", "grammar", "sample", "postprocess"]

@@ -7,18 +7,18 @@ millisecond where xgrammar's slow cases take hundreds, and its token masks stay 
 a per-vocabulary cache). One `GrammarCompiler` per engine owns the tokenizer's trie and a cache
 of compiled grammars keyed by what was asked; each sequence owns a `GrammarMatcher`, copied
 from the cached one, that follows its answer token by token; a sample forked from another
-(n > 1) copies its parent's. `TokenBitmasks` fills the batch's allowed-token bitmasks in one
-parallel call, on a worker thread while the forward runs; the sampler applies them to the
-logits before anything is picked.
+(n > 1) copies its parent's. `TokenBitmasks` fills the batch's allowed-token bitmasks right after
+the forward is launched (beside it, on a GPU); the sampler adds them to the logits before
+anything is picked.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -149,45 +149,74 @@ def _one_line(message: str) -> str:
 
 class TokenBitmasks:
     """The batch's allowed tokens, one bit per vocabulary id (llguidance's layout: 32 ids to
-    an int32), filled for many matchers in one call on llguidance's own threads."""
+    an int32).
+
+    Filled on the engine thread right after the forward is launched: on a GPU the forward is
+    still running then (its launch returns at once), so the masks cost nothing there; on a
+    CPU the forward has finished, and the fill (tens of microseconds a sequence) adds to the
+    step. A large batch on a machine with cores to spare fills in parallel on llguidance's
+    own threads; a small one, or a small machine, one after another, since idle parallel
+    workers spinning beside the CPU forward slowed it measurably (docs/perf.md)."""
+
+    PARALLEL_FROM = 16  # sequences; and only with at least 8 cores
 
     def __init__(self, vocab_size: int, max_rows: int) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._bitmask = torch.full((max_rows, self.words), -1, dtype=torch.int32)
-        self._executor = llguidance.LLExecutor()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-
-    def fill_async(self, matchers: Sequence[GrammarMatcher]) -> Future[torch.Tensor]:
-        """Start filling row i for matchers[i]; the future gives the [len(matchers), words]
-        rows (a view, valid until the next fill)."""
-        return self._worker.submit(self.fill, matchers)
+        self._parallel = (os.cpu_count() or 1) >= 8
+        self._executor: llguidance.LLExecutor | None = None
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """Row i for matchers[i]: the [len(matchers), words] rows (a view, valid until the
+        next fill)."""
         count = len(matchers)
         if count > self._bitmask.shape[0]:
             self._bitmask = torch.full((count, self.words), -1, dtype=torch.int32)
         rows = self._bitmask[:count]
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(
-            pairs, rows.data_ptr(), self.words * 4, self._bitmask.shape[0]
-        )
+        row_bytes = self.words * 4
+        if self._parallel and count >= self.PARALLEL_FROM:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+            self._executor.unsafe_compute_mask_ptr(
+                pairs, rows.data_ptr(), row_bytes, self._bitmask.shape[0]
+            )
+        else:
+            base = rows.data_ptr()
+            for i, m in enumerate(matchers):
+                m._matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         return rows
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+
+_BYTE_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_masks(device: torch.device) -> torch.Tensor:
+    """[256, 8] float: for each byte of a bitmask, 0 where its bit allows the id, -inf where
+    not. Adding a row of these is the cheapest way to mask logits measured here (a
+    masked_fill over the vocabulary is 4x slower on the CPU)."""
+    if device not in _BYTE_MASKS:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        _BYTE_MASKS[device] = torch.where(bits.bool(), 0.0, float("-inf")).to(device)
+    return _BYTE_MASKS[device]
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of `logits` with every id that bitmask row j forbids set to -inf in row
-    rows[j]; ids past the bitmask's width (a padded vocabulary) are forbidden too."""
+    """A copy of `logits` with every id that bitmask row j forbids at -inf in row rows[j];
+    ids past the bitmask's width (a padded vocabulary) are forbidden too.
+
+    NOTE: the int32 words are read as bytes, least significant first: bit i of word w is id
+    32 w + i on a little-endian machine, which every machine this runs on is."""
     vocab = logits.shape[1]
     words = bitmask.to(logits.device, non_blocking=True)  # [R, W] int32
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()  # [R, 32 W]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    add = _byte_masks(logits.device)[words.view(torch.uint8).long()].view(len(rows), -1)
+    if add.shape[1] < vocab:
+        add = torch.nn.functional.pad(add, (0, vocab - add.shape[1]), value=float("-inf"))
+    add = add[:, :vocab].to(logits.dtype)
+    if rows == list(range(logits.shape[0])):
+        return logits + add
     index = torch.tensor(rows, device=logits.device)
     out = logits.clone()
-    out[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    out[index] = logits[index] + add
     return out

@@ -202,7 +202,9 @@ def _within_grammar(
     constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
     bitmask = torch.stack([rows[i].allowed for i in constrained])  # type: ignore[misc]
     out = apply_bitmask(logits, constrained, bitmask)
-    emptied = torch.isneginf(out[constrained]).all(dim=-1).nonzero().flatten().tolist()
+    if logits is unmasked:  # no other mask: the grammar always leaves an id (the end, at last)
+        return out
+    emptied = (out[constrained].amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()
     if emptied:
         rows_emptied = [constrained[j] for j in emptied]
         out[rows_emptied] = apply_bitmask(unmasked, rows_emptied, bitmask[emptied])[rows_emptied]

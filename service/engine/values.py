@@ -189,7 +189,7 @@ class StepTiming:
     schedule: float = 0.0
     prepare: float = 0.0  # block moves, input tensors, attention plan
     forward: float = 0.0
-    grammar: float = 0.0  # waiting, after the forward, for the grammar masks still filling
+    grammar: float = 0.0  # filling the grammar masks (on a GPU, beside the forward)
     sample: float = 0.0
     postprocess: float = 0.0  # detokenize, stop checks, free finished sequences
 

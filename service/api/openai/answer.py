@@ -14,10 +14,11 @@ from starlette.responses import Response
 
 from service.api.observability.meter import AnswerMeter
 from service.api.observability.metrics import Metrics
-from service.api.openai.chat_request import ChatCompletionRequest
+from service.api.openai.chat_request import ChatCompletionRequest, request_tools
 from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError, invalid
 from service.api.openai.params import StreamOptions
+from service.api.openai.tools import CallStream, Tools, read_calls
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
 from service.engine.values import (
@@ -55,6 +56,10 @@ class Answer:
         self.prompt = prompt
         self.params = params
         self.chat = isinstance(req, ChatCompletionRequest)  # else a text completion
+        # The tools an answer may call: it is read for calls (None: plain text).
+        self.tools: Tools | None = None
+        if isinstance(req, ChatCompletionRequest) and (tools := request_tools(req)).active:
+            self.tools = tools
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -110,15 +115,19 @@ class Answer:
                         reasons[out.index] = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
             return _failure(exc, self.chat).response()
+        choices = [
+            self._choice(i, text, logprobs[i], reasons[i] or "stop", whole=True)
+            for i, text in enumerate(texts)
+        ]
+        if self.tools is not None:
+            for choice in choices:
+                self._with_calls(choice, self.tools)
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [
-                self._choice(i, text, logprobs[i], reasons[i] or "stop", whole=True)
-                for i, text in enumerate(texts)
-            ],
+            "choices": choices,
             "usage": self.usage(),
         }
         return Response(_json.encode(body), media_type="application/json")
@@ -135,13 +144,20 @@ class Answer:
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             yield self._chunk([choice], every_chunk)
         try:
+            calls = [CallStream(self.tools) for _ in range(self.params.n)] if self.tools else []
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
                     self._count(out)
                     reason = _finish(out.finish_reason) if out.finished else None
                     logprobs = self._logprobs(out)
-                    if out.new_text or reason or logprobs:
-                        choice = self._choice(out.index, out.new_text, logprobs, reason)
+                    text = calls[out.index].push(out.new_text) if calls else out.new_text
+                    if calls and out.finished:
+                        for chunk in self._call_chunks(out.index, calls[out.index], every_chunk):
+                            yield chunk
+                        if reason == "stop" and calls[out.index].called:
+                            reason = "tool_calls"
+                    if text or reason or logprobs:
+                        choice = self._choice(out.index, text, logprobs, reason)
                         yield self._chunk([choice], every_chunk)
         except (RequestError, EngineDeadError) as exc:
             yield _event(_failure(exc, self.chat).body())
@@ -168,6 +184,29 @@ class Answer:
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
         delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+    def _with_calls(self, choice: dict[str, Any], tools: Tools) -> None:
+        """A whole answer's calls as its message's tool_calls (finish reason tool_calls)."""
+        message = choice["message"]
+        found = read_calls(message["content"], tools)
+        if found.calls:
+            message["content"], message["tool_calls"] = found.content, found.calls
+            if choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+
+    def _call_chunks(self, index: int, stream: CallStream, every_chunk: bool) -> list[bytes]:
+        """At a streamed answer's end: the content held back, then each call whole (name and
+        arguments in one delta, as vLLM's parsers send a call they read at the end)."""
+        rest, calls = stream.finish()
+        chunks = []
+        if rest:
+            chunks.append(self._chunk([self._choice(index, rest, [], None)], every_chunk))
+        if calls:
+            deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+            choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                      "finish_reason": None}  # fmt: skip
+            chunks.append(self._chunk([choice], every_chunk))
+        return chunks
 
     def _text_logprobs(self, index: int, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The text completion's (legacy) shape: parallel lists, offsets into the answer."""

@@ -17,12 +17,32 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import context_exceeded, invalid, unsupported
-from service.api.openai.params import SamplingFields, decode_fields, engine_params
+from service.api.openai.params import (
+    SamplingFields,
+    decode_fields,
+    engine_params,
+    structured_output,
+)
+from service.api.openai.tools import (
+    ToolCall,
+    Tools,
+    call_grammar,
+    call_text,
+    response_text,
+    system_text,
+    tools_of,
+)
 from service.engine.params import SamplingParams
 from service.engine.values import TextTokenizer
 from service.sessions.prompt import ChatFormat, TemplateError
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",  # a function's result: rendered as a user turn (service/api/openai/tools.py)
+}
 MAX_TOP_LOGPROBS = 20
 
 _json = msgspec.json.Encoder()
@@ -49,7 +69,7 @@ class ChatMessageIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_calls: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
-    tool_call_id: str | None = None  # a tool message's: refused with its role
+    tool_call_id: str | None = None  # a tool message's: ignored (results are read in order)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -62,10 +82,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     # answer it with a new turn (add_generation_prompt: true).
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # Honoured: the functions the answer may call (service/api/openai/tools.py).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # Ignored: they change nothing an answer holds.
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
@@ -75,8 +98,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     verbosity: str | None = None
     # Accepted at their neutral values only (null, empty, ["text"]).
     chat_template_kwargs: dict[str, Any] | None = None  # only empty
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -108,12 +129,17 @@ def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
             "continue_final_message and add_generation_prompt cannot both be true",
             "continue_final_message",
         )
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise unsupported(name, "is not supported: this server makes no tool calls")
-    for name in ("tool_choice", "function_call"):
-        if getattr(req, name) not in (None, "none", "auto"):
-            raise unsupported(name, "is not supported: this server makes no tool calls")
+    if req.functions:
+        raise unsupported("functions", "is not supported: send tools (OpenAI's current name)")
+    if req.function_call not in (None, "none", "auto"):
+        raise unsupported("function_call", "is not supported: send tool_choice")
+    tools = request_tools(req)  # their shapes, and the choice among them
+    if tools.constrained and structured_output(req) is not None:
+        raise invalid(
+            f"tool_choice {req.tool_choice!r} constrains the answer to tool calls; it takes no "
+            "response_format or structured output besides",
+            "tool_choice",
+        )
     if req.modalities is not None and set(req.modalities) - {"text"}:
         raise unsupported("modalities", "may only be ['text']")
     for name in ("audio", "prediction", "web_search_options", "moderation"):
@@ -139,10 +165,12 @@ def render_prompt(
             raise invalid(
                 f"{param}.role {message.role!r} is not one of {sorted(ROLES)}", f"{param}.role"
             )
-        if message.tool_calls or message.function_call is not None:
-            raise unsupported(f"{param}.tool_calls", "are not supported: no tools here")
+        if message.function_call is not None:
+            raise unsupported(f"{param}.function_call", "is not supported: send tool_calls")
         if message.audio is not None:
             raise unsupported(f"{param}.audio")
+        if message.tool_calls and role != "assistant":
+            raise invalid(f"{param}.tool_calls: only an assistant message has them", param)
         content = _text(message.content, param)
         cap = limits.max_system_chars if role == "system" else limits.max_message_chars
         if len(content) > cap:
@@ -152,7 +180,20 @@ def render_prompt(
             if max_model_len and tokens >= max_model_len:
                 raise context_exceeded(tokens, max_model_len)
             raise invalid(f"{param}.content has {len(content)} characters; at most {cap}", param)
+        if message.tool_calls:
+            calls = [
+                _tool_call(raw, f"{param}.tool_calls[{j}]")
+                for j, raw in enumerate(message.tool_calls)
+            ]
+            content = "\n".join(
+                [content, *map(call_text, calls)] if content else map(call_text, calls)
+            )
+        if role == "tool":
+            role, content = "user", response_text(content)
         rendered.append({"role": role, "content": content})
+    tools = request_tools(req)
+    if tools.active:
+        rendered = _with_tools(rendered, tools)
     last = rendered[-1]["role"]
     if req.continue_final_message and last != "assistant":
         raise invalid(
@@ -170,6 +211,27 @@ def render_prompt(
     return prompt
 
 
+def request_tools(req: ChatCompletionRequest) -> Tools:
+    return tools_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def _tool_call(raw: Any, param: str) -> ToolCall:
+    try:
+        return msgspec.convert(raw, ToolCall)
+    except msgspec.ValidationError as exc:
+        raise invalid(f"{param}: {exc}", param) from None
+
+
+def _with_tools(rendered: list[dict[str, str]], tools: Tools) -> list[dict[str, str]]:
+    """The tools' signatures and call format at the end of the system message (a system
+    message of their own where there is none)."""
+    text = system_text(tools)
+    if rendered and rendered[0]["role"] == "system":
+        first = rendered[0]
+        return [{**first, "content": f"{first['content']}\n\n{text}"}, *rendered[1:]]
+    return [{"role": "system", "content": text}, *rendered]
+
+
 def chat_params(
     req: ChatCompletionRequest,
     limits: Limits,
@@ -183,10 +245,14 @@ def chat_params(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     default = limits.default_max_tokens
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return engine_params(
+    params = engine_params(
         req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size,
         max_tokens_param=named, tokenizer=tokenizer,
     )  # fmt: skip
+    tools = request_tools(req)
+    if tools.constrained:  # the answer is calls whose arguments match their schemas
+        params = msgspec.structs.replace(params, structured=call_grammar(tools))
+    return params
 
 
 def _text(content: str | list[ContentPart] | None, param: str) -> str:

@@ -150,8 +150,8 @@ def test_logprobs_top_k_ignore_eos_and_stop_token_ids_reach_the_engine() -> None
             "structured_outputs.choice",
             "invalid_value",
         ),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", None),
-        ({"tool_choice": "required"}, "tool_choice", None),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]", "invalid_value"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
         ({"functions": [{"name": "f"}]}, "functions", None),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", None),
         ({"modalities": ["text", "audio"]}, "modalities", None),
@@ -182,10 +182,14 @@ def test_any_served_name_is_the_model() -> None:
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "tool", "content": "x", "tool_call_id": "c1"}, "messages[0].role"),
+        ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
         (
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
-            "messages[0].tool_calls",
+            "messages[0].tool_calls[0]",  # a call without its function
+        ),
+        (
+            {"role": "user", "content": "x", "tool_calls": [{"id": "c1"}]},
+            "messages[0]",  # only an assistant message has calls
         ),
         (
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},

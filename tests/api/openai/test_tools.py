@@ -1,0 +1,208 @@
+"""Tool calls without a server: the request's tools and choice, the prompt they make, the
+grammar that holds a required call to its function's schema, and the calls read back from an
+answer, whole or streamed, in each family's format."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from service.api.limits import Limits
+from service.api.openai.chat_request import chat_params, decode_request, render_prompt
+from service.api.openai.errors import OpenAIError
+from service.api.openai.tools import CallStream, Tools, call_grammar, read_calls, tools_of
+from service.engine.grammar import GrammarCompiler
+from service.sessions.prompt import ChatFormat
+from tests.tiny_model import gguf_tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TOOLS = tools_of([WEATHER, TIME], "auto", None)
+
+
+def decode(**body: Any) -> Any:
+    messages = body.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
+    return decode_request(json.dumps({"messages": messages, **body}).encode(), ("m",))
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([{"type": "retrieval"}], None, "tools[0]"),
+        ([{"type": "code", "function": {"name": "f"}}], None, "tools[0].type"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools[0].function.name"),
+        ([TIME, TIME], None, "tools"),
+        ([TIME], {"type": "function", "function": {"name": "other"}}, "tool_choice"),
+        ([TIME], "sometimes", "tool_choice"),
+        (None, "required", "tool_choice"),
+    ],
+)
+def test_malformed_tools_and_choices_are_refused_by_name(
+    tools: Any, choice: Any, param: str
+) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        decode(tools=tools, tool_choice=choice)
+    assert caught.value.param == param, caught.value.message
+
+
+def test_a_required_call_takes_no_other_structured_output() -> None:
+    with pytest.raises(OpenAIError) as caught:
+        decode(tools=[TIME], tool_choice="required", response_format={"type": "json_object"})
+    assert caught.value.param == "tool_choice"
+
+
+def test_the_prompt_carries_the_tools_and_the_history_its_calls_and_results() -> None:
+    chat = ChatFormat(gguf_tokenizer())
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+    }
+    req = decode(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ],
+        tools=[WEATHER],
+    )
+    text = chat.tokenizer.decode(render_prompt(req, chat, Limits()))
+    assert text.index("Be brief.") < text.index("<tools>") < text.index('"get_weather"')
+    call_text = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+    assert f"<tool_call>\n{call_text}\n</tool_call>" in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    # tool_choice none: the tools stay out of the prompt.
+    none = decode(tools=[WEATHER], tool_choice="none")
+    assert "<tools>" not in chat.tokenizer.decode(render_prompt(none, chat, Limits()))
+
+
+def test_required_and_named_choices_constrain_the_answer_to_calls() -> None:
+    required = chat_params(decode(tools=[WEATHER, TIME], tool_choice="required"), Limits(), 10, 512)
+    assert required.structured is not None and required.structured.kind == "grammar"
+    assert chat_params(decode(tools=[WEATHER]), Limits(), 10, 512).structured is None  # auto
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_call_grammar_takes_calls_of_the_tools_with_valid_arguments_only(
+    parallel: bool,
+) -> None:
+    tokenizer = gguf_tokenizer()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    grammar = call_grammar(tools_of([WEATHER, TIME], "required", parallel))
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(grammar)
+        return all(matcher.accept(t) for t in tokenizer.encode(text))
+
+    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "f"}}\n</tool_call>'  # noqa: E501
+    clock = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(weather) and accepts(clock)
+    assert accepts(weather + "\n" + clock) is parallel
+    assert not accepts(weather.replace('"f"', '"kelvin"'))
+    assert not accepts(weather.replace("get_weather", "get_wether"))
+    assert not accepts("Sure! " + weather)
+    named = call_grammar(
+        tools_of([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None)
+    )
+    matcher = compiler.matcher(named)
+    assert not all(matcher.accept(t) for t in tokenizer.encode(weather))
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Just text.", "Just text.", []),
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>',  # noqa: E501
+            "Let me check.",
+            [("get_weather", {"city": "Oslo", "unit": "c"})],
+        ),
+        (
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>',  # noqa: E501
+            None,
+            [("get_time", {}), ("get_time", {})],
+        ),
+        (  # Llama 3.1's bare JSON call
+            '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',
+            None,
+            [("get_weather", {"city": "Rome", "unit": "c"})],
+        ),
+        (  # Mistral's
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "UTC"}}]',
+            None,
+            [("get_time", {"tz": "UTC"})],
+        ),
+        (
+            '{"name": "unknown_tool", "arguments": {}}',
+            '{"name": "unknown_tool", "arguments": {}}',
+            [],
+        ),
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        (  # a call cut short by max_tokens after a whole one: dropped, not content
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>\n{"na',
+            None,
+            [("get_time", {})],
+        ),
+    ],
+    ids=["text", "hermes", "two", "llama", "mistral", "unknown", "broken", "cut"],
+)
+def test_calls_are_read_in_each_familys_format(
+    text: str, content: str | None, calls: list[tuple[str, Any]]
+) -> None:
+    found = read_calls(text, TOOLS)
+    assert found.content == content
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found.calls
+    ] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in found.calls)
+
+
+def stream(tools: Tools, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    calls = CallStream(tools)
+    streamed = "".join(calls.push(p) for p in pieces)
+    rest, found = calls.finish()
+    return streamed + rest, found
+
+
+def test_streamed_text_holds_back_what_may_open_a_call_and_nothing_else() -> None:
+    calls = CallStream(TOOLS)
+    assert calls.push("The answer is <") == "The answer is "
+    assert calls.push("b>bold") == "<b>bold"  # not a call after all
+    assert calls.push(" and <tool_") == " and "
+    assert calls.push('call>{"name": "get_time", "arguments": {}}</tool_call>') == ""
+    rest, found = calls.finish()
+    assert rest == "" and [c["function"]["name"] for c in found] == ["get_time"] and calls.called
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain answer, streamed as it comes.",
+        'Checking.<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+        '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',
+        '{"not": "a call"}',
+        "Half a marker at the end <tool_ca",
+    ],
+)
+def test_streaming_in_any_pieces_gives_what_reading_the_whole_gives(text: str) -> None:
+    whole = read_calls(text, TOOLS)
+    for size in (1, 3, 7, len(text)):
+        content, calls = stream(TOOLS, [text[i : i + size] for i in range(0, len(text), size)])
+        assert (content.strip() or None) == (whole.content.strip() if whole.content else None)
+        assert [c["function"] for c in calls] == [c["function"] for c in whole.calls]
