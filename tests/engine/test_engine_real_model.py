@@ -121,3 +121,23 @@ def test_penalties_stop_the_default_model_looping(engine: LLMEngine) -> None:
     assert free >= 30
     assert repeats(frequency_penalty=0.5) <= free // 2
     assert repeats(repetition_penalty=1.3) <= 2
+
+
+def test_a_repetition_penalty_of_1_1_ends_the_french_poems_refrain(engine: LLMEngine) -> None:
+    """Issue 25's looping prompt: greedy, the poem is one line over and over ("La femme est
+    enfant, La femme est enfant, ..."); vLLM's repetition_penalty at 1.1 writes on."""
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a poem in French about a woman."}]
+    )
+
+    def poem(penalty: float) -> tuple[int, str]:
+        params = SamplingParams(temperature=0.0, max_tokens=150, repetition_penalty=penalty)
+        out = run(engine, {"poem": prompt}, params)["poem"]
+        return _repeated_trigrams(out.token_ids), engine.tokenizer.decode(out.token_ids)
+
+    looping, free = poem(1.0)
+    assert looping >= 100, free
+    repeats, penalized = poem(1.1)
+    assert repeats <= looping // 4, penalized
+    first_line = free.split(",")[0]
+    assert free.count(first_line) >= 10 and penalized.count(first_line) <= 2, penalized

@@ -229,3 +229,45 @@ def test_bad_words_ban_their_last_token_only_where_the_rest_precedes_it(sampler:
     assert pick([]) == 7
     assert pick([6]) not in (5, 7)
     assert pick([6, 1]) == 7
+
+
+def reference_penalties(
+    logits: torch.Tensor, prompt: list[int], answer: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """vLLM's apply_penalties for one row, written plainly: repetition over every token seen,
+    then frequency (per occurrence) and presence (once) over the answer's."""
+    out = logits.clone()
+    for token in set(prompt) | set(answer):
+        value = out[token]
+        out[token] = (
+            value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        )
+    for token in set(answer):
+        out[token] -= params.frequency_penalty * answer.count(token) + params.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_penalties_match_a_plain_reference_on_random_rows(seed: int) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    vocab, rows_n = 50, 4
+    x = torch.randn(rows_n, vocab, generator=rng) * 3
+    rows, expected = [], []
+    for r in range(rows_n):
+        prompt = torch.randint(
+            0, vocab, (int(torch.randint(0, 12, (1,), generator=rng)),), generator=rng
+        ).tolist()
+        answer = torch.randint(
+            0, vocab, (int(torch.randint(0, 20, (1,), generator=rng)),), generator=rng
+        ).tolist()
+        pick = torch.rand(3, generator=rng).tolist()
+        params = SamplingParams(
+            presence_penalty=round(4 * pick[0] - 2, 2),
+            frequency_penalty=round(4 * pick[1] - 2, 2),
+            repetition_penalty=round(0.5 + 1.5 * pick[2], 2),
+        )
+        rows.append(
+            SamplingRow(params, None, token_ids=prompt + answer, num_prompt_tokens=len(prompt))
+        )
+        expected.append(reference_penalties(x[r], prompt, answer, params))
+    assert torch.allclose(_with_penalties(x, rows), torch.stack(expected), atol=1e-5)
