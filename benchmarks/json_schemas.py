@@ -138,8 +138,10 @@ def random_instance(schema: Schema, rng: random.Random) -> Any:
     if kind == "integer":
         return rng.randint(schema["minimum"], schema["maximum"])
     if kind == "number":
-        steps = int(schema["maximum"] / schema["multipleOf"])
-        return rng.randint(0, steps) * schema["multipleOf"]
+        # x, x.25 or x.75: llguidance writes (and reads) a multiple of 0.25 with no fraction
+        # or with two decimals (2.50, never 2.5), so an instance is written so too.
+        whole = rng.randint(0, int(schema["maximum"]) - 1)
+        return rng.choice([whole, whole + 0.25, whole + 0.75])
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "null":
