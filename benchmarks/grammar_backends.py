@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -58,10 +59,8 @@ class LLGuidance:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         import llguidance
-        import llguidance.torch
 
         self._llg = llguidance
-        self._fill = llguidance.torch.fill_next_token_bitmask
         start = time.perf_counter()
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer.backend_json(),
@@ -78,7 +77,9 @@ class LLGuidance:
         return matcher
 
     def fill(self, matcher: Any, bitmask: torch.Tensor) -> None:
-        self._fill(matcher, bitmask, 0)
+        # as the service fills a row (llguidance.torch's helper would torch.compile at import)
+        row = bitmask[0]
+        matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def consume(self, matcher: Any, token: int) -> bool:
         return bool(matcher.consume_token(token))
@@ -90,7 +91,10 @@ class XGrammar:
     def __init__(self, tokenizer: Tokenizer) -> None:
         import tokenizers
         import transformers
-        import xgrammar
+
+        with warnings.catch_warnings():  # its own torch.jit use, deprecated by torch 2.13
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import xgrammar
 
         self._xgr = xgrammar
         start = time.perf_counter()
