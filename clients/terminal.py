@@ -12,6 +12,9 @@ While it waits at the prompt the client watches its connection: when the server 
 says so at once, reconnects by itself (waiting at most RETRY_MAX_S between tries) and resumes
 the session; a line typed meanwhile is kept and sent once it is back. A connection lost
 mid-answer ends that answer on its own line and reconnects the same way.
+
+On a terminal, answers are rendered as markdown while they stream (rich: code blocks, lists,
+tables, emphasis); piped or redirected, or with --markdown off, they are the plain text.
 """
 
 from __future__ import annotations
@@ -235,31 +238,29 @@ async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> Non
         )
     except ConnectionClosed:
         raise NotSent from None
-    mid_line = False  # a delta was printed, and no newline after it yet
+    view = AnswerView(markdown=args.markdown == "on")
     while True:
         try:
             frame = await client.receive()
         except ConnectionClosed:
-            if mid_line:
-                print()  # what follows goes on a line of its own
+            view.end()  # what follows goes on a line of its own
             raise
         if isinstance(frame, Delta):
-            print(frame.text, end="", flush=True)
-            mid_line = True
+            view.add(frame.text)
         elif isinstance(frame, Done):
+            view.end()
             u, t = frame.usage, frame.timing
             ended = "" if frame.finish_reason == "stop" else f"; {frame.finish_reason}"
             loaded = f"{u.loaded_tokens} loaded, " if u.loaded_tokens else ""
             print(
-                f"\n[{u.completion_tokens} tokens; prompt {u.prompt_tokens}: "
+                f"[{u.completion_tokens} tokens; prompt {u.prompt_tokens}: "
                 f"{u.cached_tokens} cached, {u.swapped_in_tokens} swapped in, {loaded}"
                 f"{u.recomputed_tokens} computed; first token {t.ttft_s or 0:.2f}s{ended}]",
                 file=sys.stderr,
             )
             return
         elif isinstance(frame, Error):
-            if mid_line:
-                print()
+            view.end()
             if frame.fatal and frame.code == "shutting_down":
                 print(f"[{frame.message}]", file=sys.stderr)
                 continue  # the close follows: reconnected like any lost connection
@@ -267,6 +268,54 @@ async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> Non
                 raise Failure(f"the server ended the chat: {frame.message}")
             print(f"[not answered: {frame.message}]", file=sys.stderr)
             return
+
+
+class AnswerView:
+    """One answer on stdout as it streams: plain text as it comes, or, with `markdown`, the
+    text so far rendered as markdown (rich) and redrawn in place at most 12 times a second,
+    so that code blocks, lists and tables read as they will when it is done. `end` leaves the
+    cursor at the start of a line either way."""
+
+    REDRAW_S = 1 / 12
+
+    def __init__(self, markdown: bool, console: Any = None) -> None:
+        self._markdown = markdown
+        self._text = ""
+        self._live: Any = None
+        self._drawn_at = 0.0
+        self._console = console
+
+    def add(self, text: str) -> None:
+        self._text += text
+        if not self._markdown:
+            print(text, end="", flush=True)
+            return
+        from rich.live import Live
+
+        if self._live is None:
+            self._live = Live(
+                self._rendered(), console=self._console, auto_refresh=False,
+                vertical_overflow="visible", redirect_stdout=False, redirect_stderr=False,
+            )  # fmt: skip
+            self._live.start()
+        now = time.monotonic()
+        if now - self._drawn_at >= self.REDRAW_S:
+            self._live.update(self._rendered(), refresh=True)
+            self._drawn_at = now
+
+    def end(self) -> None:
+        if self._live is not None:
+            self._live.update(self._rendered(), refresh=True)
+            self._live.stop()
+            self._live = None
+        elif self._text and not self._markdown:
+            print()
+        self._text = ""
+
+    def _rendered(self) -> Any:
+        from rich.markdown import Markdown
+
+        return Markdown(self._text, code_theme="ansi_dark")
 
 
 def prompt(text: str, idle: Callable[[], str | None] = lambda: None) -> str:
@@ -389,6 +438,13 @@ def parser() -> argparse.ArgumentParser:
         help="sampling temperature, 0 is greedy (default: %(default)s)",
     )
     p.add_argument(
+        "--markdown",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="render answers as markdown (code blocks, lists, tables); auto: when the output "
+        "is a terminal that can redraw (not TERM=dumb) (default: %(default)s)",
+    )
+    p.add_argument(
         "--ignore-eos",
         action="store_true",
         help="keep answering past the end of the turn, up to --max-tokens (default: off)",
@@ -398,6 +454,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.markdown == "auto":
+        # A terminal that cannot move its cursor (TERM=dumb) could only print every redraw
+        # below the last: plain text there.
+        drawable = os.environ.get("TERM", "dumb") not in ("dumb", "unknown", "")
+        args.markdown = "on" if sys.stdout.isatty() and drawable else "off"
     if bool(args.session) != bool(args.secret):
         print("pagechat: --session and --secret go together", file=sys.stderr)
         return EXIT_USAGE

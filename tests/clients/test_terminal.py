@@ -53,11 +53,11 @@ class Terminal:
     """The client on a pseudo-terminal of its own (its controlling terminal, so the keys
     act as they do for a person)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, term: str = "dumb") -> None:
         pid, fd = pty.fork()
         if pid == 0:  # the child: exec at once, nothing else
             os.chdir(REPO)
-            os.execve(sys.executable, [*CLIENT, *args], ENV)
+            os.execve(sys.executable, [*CLIENT, *args], {**ENV, "TERM": term})
         self.pid, self.fd = pid, fd
         self.output = b""
         self.status: int | None = None
@@ -114,8 +114,8 @@ def terminal() -> Iterator[type[Terminal]]:
     opened: list[Terminal] = []
 
     class Opened(Terminal):
-        def __init__(self, *args: str) -> None:
-            super().__init__(*args)
+        def __init__(self, *args: str, term: str = "dumb") -> None:
+            super().__init__(*args, term=term)
             opened.append(self)
 
     yield Opened
@@ -341,3 +341,69 @@ def test_a_hard_kill_mid_answer_puts_the_error_on_its_own_line(
     t.read_until(b"[reconnected: session ", start=at)
     t.send(CTRL_D)
     assert t.wait() == 0
+
+
+MARKDOWN = (
+    "Here:\n\n```python\nprint('hi')\n```\n\n- **one**\n- two\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+)
+
+
+def test_on_a_terminal_an_answer_streams_as_rendered_markdown() -> None:
+    """Fed in small pieces as deltas come, the answer ends drawn as markdown: no fences, no
+    asterisks or pipes of the source, the code and the table's cells kept."""
+    import io
+
+    from rich.console import Console
+
+    from clients.terminal import AnswerView
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=60, color_system="standard")
+    view = AnswerView(markdown=True, console=console)
+    for i in range(0, len(MARKDOWN), 3):
+        view.add(MARKDOWN[i : i + 3])
+    view.end()
+    shown = out.getvalue()
+    final = shown[shown.rfind("Here:") :]  # the last redraw
+    plain = __import__("re").sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", final)
+    assert "print('hi')" in plain and "one" in plain and "1" in plain
+    assert "```" not in plain and "**" not in plain and "|---" not in plain
+    assert "\x1b[1m" in final  # bold, as a terminal shows it
+
+
+@pytest.mark.server
+async def test_on_a_color_terminal_the_answer_is_redrawn_in_place_and_ctrl_c_still_cancels(
+    server: ServerProcess, terminal: type[Terminal]
+) -> None:
+    """TERM=xterm-256color: the answer is drawn by rich's live display (the cursor hidden
+    while it redraws, moved up over the lines it replaces); Ctrl-C stops it as in plain mode,
+    the usage line and the prompt follow."""
+    client = terminal(
+        "--url", server.http, "--max-tokens", "400", "--ignore-eos", term="xterm-256color"
+    )
+    client.read_until(b"> ")
+    client.send(b"Tell me a very long story.\r")
+    asked = len(client.read_until(b"story.\r\n"))
+    deadline = time.monotonic() + 60
+    while len(client.output) < asked + 400 and client._read(deadline - time.monotonic()):
+        pass
+    client.send(CTRL_C)
+    client.read_until(b"cancelled]", start=asked)
+    drawn = client.output[asked:]
+    assert b"\x1b[?25l" in drawn and b"\x1b[1A" in drawn  # hidden cursor, moved up
+    client.read_until(b"> ", start=client.output.rindex(b"cancelled]"))
+    client.send(CTRL_D)
+    assert client.wait() == 0
+    assert "Traceback" not in client.text
+    await wait_balanced(server)
+
+
+def test_piped_an_answer_is_its_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from clients.terminal import AnswerView
+
+    view = AnswerView(markdown=False)
+    for i in range(0, len(MARKDOWN), 5):
+        view.add(MARKDOWN[i : i + 5])
+    view.end()
+    assert capsys.readouterr().out == MARKDOWN + "\n"
+    assert parser().parse_args([]).markdown == "auto"
