@@ -8,6 +8,7 @@ model's answers).
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,41 @@ async def test_a_redis_outage_gets_errors_and_service_resumes_after_it(
             "back again",
             after.text,
         ]
+        await wait_balanced(server)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+async def test_a_redis_stall_at_a_turns_start_never_leaves_the_session_busy(
+    tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    """Redis frozen (SIGSTOP) for 5 s just as a message arrives: the turn either waits it out
+    or fails with storage_unavailable; once Redis is thawed, the next message is answered at
+    once, never `busy` (nobody is answering) until a lease taken in the stall expires."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    server = start_server(
+        tmp_path / "server.log",
+        *("--model", str(model), "--dtype", "float32"),
+        *("--redis-url", f"unix://{redis_server.socket}"),
+    )
+    assert redis_server.proc is not None
+    try:
+        async with await ChatClient.connect(server.ws) as chat:
+            await chat.open()
+            await chat.ask("hello", max_tokens=3, temperature=0.0)
+            redis_server.proc.send_signal(signal.SIGSTOP)
+            try:
+                await chat.send_user("are you there?", max_tokens=3)
+                await asyncio.sleep(5.0)
+            finally:
+                redis_server.proc.send_signal(signal.SIGCONT)
+            try:
+                stalled = await asyncio.wait_for(chat.collect(), 30)
+                assert stalled.done is not None
+            except ChatServerError as error:
+                assert error.code == "storage_unavailable", error
+            after = await chat.ask("and now?", max_tokens=3, temperature=0.0)  # not busy
+            assert after.done is not None
         await wait_balanced(server)
     finally:
         assert server.stop() == 0, server.log()
