@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import websockets
@@ -102,6 +103,20 @@ def answered_or_closed(sock: socket.socket) -> bool:
     return True
 
 
+@dataclass
+class Held:
+    """What one run saw: each probe's seconds (None: no answer in time), how many held
+    sockets the server closed, and its log."""
+
+    probes: dict[str, list[float | None]]
+    closed: int
+    log: str
+
+    @property
+    def all_answered(self) -> bool:
+        return all(t is not None for times in self.probes.values() for t in times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sockets", type=int, default=2100)
@@ -110,18 +125,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-s", type=float, default=30.0, help="how long the sockets are held")
     parser.add_argument("server_args", nargs="*", help="more `pagechat serve` options")
     opts = parser.parse_args(argv)
+    held = run(opts.sockets, opts.nofile, opts.probes, opts.hold_s, opts.server_args)
+    print(f"{opts.sockets} half-open sockets held {opts.hold_s:g} s, server nofile {opts.nofile}")
+    for name, times in held.probes.items():
+        ok = [t for t in times if t is not None]
+        slowest = f"{max(ok):.2f} s" if ok else "-"
+        print(f"  {name}: {len(ok)} / {len(times)} answered, slowest {slowest}")
+    print(f"  held sockets the server closed (408 or pushed out): {held.closed} / {opts.sockets}")
+    text = held.log
+    print(f"  log: {text.count(chr(10))} lines, {len(text.encode()) / 1024:.0f} KiB; 'Too many "
+          f"open files': {text.count('Too many open files')}")  # fmt: skip
+    return 0 if held.all_answered else 1
+
+
+def run(sockets: int, nofile: int, probes: int, hold_s: float, server_args: list[str]) -> Held:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port, log = start(Path(tmp), opts.nofile, opts.server_args)
+        proc, port, log = start(Path(tmp), nofile, server_args)
         try:
             held = []
-            for _ in range(opts.sockets):
+            for _ in range(sockets):
                 sock = socket.create_connection(("127.0.0.1", port), timeout=10)
                 sock.sendall(HALF_HANDSHAKE)
                 sock.setblocking(False)
                 held.append(sock)
             results: dict[str, list[float | None]] = {"health": [], "websocket": [], "chat": []}
-            end = time.monotonic() + opts.hold_s
-            for _ in range(opts.probes):
+            end = time.monotonic() + hold_s
+            for _ in range(probes):
                 results["health"].append(probe_health(port))
                 results["websocket"].append(probe_ws(port))
                 results["chat"].append(probe_chat(port))
@@ -134,16 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(60)
         text = log.read_text(errors="replace")
-    print(f"{opts.sockets} half-open sockets held {opts.hold_s:g} s, server nofile {opts.nofile}")
-    for name, times in results.items():
-        ok = [t for t in times if t is not None]
-        slowest = f"{max(ok):.2f} s" if ok else "-"
-        print(f"  {name}: {len(ok)} / {len(times)} answered, slowest {slowest}")
-    print(f"  held sockets the server closed (408 or pushed out): {closed} / {opts.sockets}")
-    lines = text.count("\n")
-    print(f"  log: {lines} lines, {len(text.encode()) / 1024:.0f} KiB; 'Too many open files': "
-          f"{text.count('Too many open files')}")  # fmt: skip
-    return 0 if all(t is not None for times in results.values() for t in times) else 1
+    return Held(results, closed, text)
 
 
 if __name__ == "__main__":

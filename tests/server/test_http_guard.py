@@ -92,3 +92,27 @@ def test_a_kept_alive_connections_next_request_is_bounded_too(server: ServerProc
         sock.sendall(b"GET /health HTTP/1.1\r\nHo")  # the next request, never finished
         reply = read_to_close(sock)
     assert b"HTTP/1.1 408 " in reply, reply
+
+
+def test_2100_half_open_handshakes_against_2048_files_leave_every_probe_answered() -> None:
+    """The must-show of the slowloris fix, as benchmarks/held_sockets.py runs it: the bundled
+    model's server under `prlimit --nofile=2048`, 2,100 sockets each holding half a
+    WebSocket handshake; meanwhile /health, a WebSocket handshake and a chat completion each
+    answer twice, every held socket is closed by the server, and the log stays short (one
+    line per rate-limit window, not one per failed accept)."""
+    import resource
+
+    from benchmarks import held_sockets
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2300:
+        pytest.fail(f"this process may hold {hard} files; the test needs 2,300")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2300), hard))
+    try:
+        held = held_sockets.run(sockets=2100, nofile=2048, probes=2, hold_s=12.0, server_args=[])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert held.all_answered, held.probes
+    assert held.closed == 2100
+    assert held.log.count("\n") < 2100 + 200, held.log[-2000:]  # a line per closed socket at most
+    assert held.log.count("Too many open files") <= 5
