@@ -3,7 +3,7 @@
     .venv/bin/python -m loadtest.run --url ws://127.0.0.1:8000 --users 16 --run-time 2m
     .venv/bin/locust -f loadtest/locustfile.py --host ws://127.0.0.1:8000   # the web UI
 
-Five scenarios, one user class each, each class's task tagged with its scenario name (pick
+Six scenarios, one user class each, each class's task tagged with its scenario name (pick
 them with `--tags returning oneshot` or by class name on the command line):
 
 - `multiturn` (MultiTurnUser): a new conversation of `--turns` messages with think time;
@@ -13,7 +13,11 @@ them with `--tags returning oneshot` or by class name on the command line):
   `--away-time` with its session id and secret (`?session=ID` in the URL, for the proxy);
 - `oneshot` (OneShotUser): a flood of short one-turn questions;
 - `openai` (OpenAIUser): conversations over the OpenAI-compatible HTTP endpoint, streamed,
-  each turn resending the history (which the prefix cache still serves).
+  each turn resending the history (which the prefix cache still serves);
+- `slow` (SlowClientUser): hostile-ish clients: one that reads its answer's frames slowly
+  (`--read-delay` between frames, well inside the server's slow-reader limit), and every
+  third visit one that leaves mid-answer without a word (the server aborts the answer and
+  stores what was said); leaving is counted as `vanished`, never a failure.
 
 What each entry in Locust's statistics means (type, name):
 
@@ -43,6 +47,7 @@ from locust.env import Environment
 from clients.chat_client import ChatServerError as ServerError
 from loadtest.httpclient import CompletionError, stream_completion
 from loadtest.wsclient import ChatSocket, TurnResult, chat_url
+from protocol.frames import User as UserFrame
 from protocol.frames import UserParams
 
 QUESTIONS = (
@@ -102,6 +107,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--visits", type=int, default=4, help="returns before a returning user starts over"
     )
     group.add_argument("--ws-timeout", type=float, default=300.0, help="socket timeout (s)")
+    group.add_argument(
+        "--read-delay", type=float, default=0.1, help="seconds a slow client waits per frame"
+    )
 
 
 _DEFAULTS = {
@@ -112,6 +120,7 @@ _DEFAULTS = {
     "away_time": 20.0,
     "visits": 4,
     "ws_timeout": 300.0,
+    "read_delay": 0.1,
 }
 
 
@@ -210,12 +219,14 @@ class ChatUser(User):
         finally:
             sock.close()
 
-    def _ask(self, sock: ChatSocket, content: str, max_tokens: int) -> TurnResult | None:
+    def _ask(
+        self, sock: ChatSocket, content: str, max_tokens: int, read_delay_s: float = 0.0
+    ) -> TurnResult | None:
         """One turn; its entries are recorded. None when it failed."""
         params = UserParams(max_tokens=max_tokens, temperature=0.7)
         start = time.perf_counter()
         try:
-            result = sock.ask(content, params)
+            result = sock.ask(content, params, read_delay_s=read_delay_s)
         except _NETWORK_ERRORS as exc:
             self._record("turn", self.scenario, _ms_since(start), exc=exc)
             return None
@@ -366,3 +377,43 @@ class OpenAIUser(ChatUser):
             cached = usage["prompt_tokens_details"]["cached_tokens"]
             self._shares(usage["prompt_tokens"], cached, 0, usage["prompt_tokens"] - cached)
             messages.append({"role": "assistant", "content": answer.turn.text})
+
+
+class SlowClientUser(ChatUser):
+    """A slow reader (frames read `--read-delay` apart) and, every third visit, a client that
+    vanishes mid-answer: the server must neither stall the others for them nor keep what they
+    leave behind (the soak's block and key checks see to that)."""
+
+    scenario = "slow"
+
+    def on_start(self) -> None:
+        self.visits = 0
+
+    @tag("slow")
+    @task
+    def visit(self) -> None:
+        self.visits += 1
+        sock = self._open()
+        if sock is None:
+            return
+        try:
+            max_tokens = int(_option(self.environment, "max_tokens"))
+            params = UserParams(max_tokens=max_tokens, temperature=0.7)
+            if self.visits % 3 == 0:
+                self._vanish(sock, params)
+                return
+            delay = float(_option(self.environment, "read_delay"))
+            self._ask(sock, random.choice(QUESTIONS), max_tokens, read_delay_s=delay)
+        finally:
+            sock.close()
+
+    def _vanish(self, sock: ChatSocket, params: UserParams) -> None:
+        """Ask, read the first delta, and close the socket without a cancel."""
+        start = time.perf_counter()
+        try:
+            sock.send(UserFrame(content=random.choice(QUESTIONS), params=params))
+            sock.receive()
+        except _NETWORK_ERRORS as exc:
+            self._record("turn", self.scenario, _ms_since(start), exc=exc)
+            return
+        self._record("vanished", self.scenario, _ms_since(start))

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
-SCENARIOS = ("multiturn", "shared", "returning", "oneshot", "openai")
+SCENARIOS = ("multiturn", "shared", "returning", "oneshot", "openai", "slow")
 
 
 @dataclass(slots=True)

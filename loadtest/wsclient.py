@@ -112,11 +112,14 @@ class ChatSocket:
         self.secret = secret
         return opened
 
-    def ask(self, content: str, params: UserParams) -> TurnResult:
-        """Send a user message and read its deltas up to the done frame."""
+    def ask(self, content: str, params: UserParams, *, read_delay_s: float = 0.0) -> TurnResult:
+        """Send a user message and read its deltas up to the done frame (`read_delay_s`
+        between frames: a slow reader, whose unread frames wait in the server's queue)."""
         result = TurnResult(sent_at=time.perf_counter())
         self.send(User(content=content, params=params))
         while True:
+            if read_delay_s:
+                time.sleep(read_delay_s)
             frame = self.receive()
             if isinstance(frame, Delta):
                 result.add_tokens(len(frame.token_ids), time.perf_counter())
