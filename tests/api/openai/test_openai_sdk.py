@@ -224,8 +224,19 @@ def test_vllms_sampling_fields_go_through_extra_body(client: openai.OpenAI) -> N
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format",
+        ),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"extra_body": {"min_p": 2}}, "min_p"),

@@ -288,10 +288,11 @@ def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
     ("body", "status", "code"),
     [
         (b"{not json", 400, "bad_request"),
-        ({"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+        ({"messages": FRANCE, "tools": [{"type": "function"}]}, 400, "invalid_value"),
+        ({"messages": FRANCE, "functions": [{"name": "f"}]}, 400, "unsupported_parameter"),
         ({"messages": FRANCE, "no_such_field": 1}, 400, "bad_request"),
         ({"messages": []}, 400, "invalid_value"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),
+        ({"messages": [{"role": "function", "content": "x"}]}, 400, "invalid_value"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "text": ""}]}]},
             400,
@@ -301,10 +302,11 @@ def test_n_samples_get_a_choice_each(server: ServerProcess) -> None:
         ({"messages": FRANCE, "max_tokens": 129}, 400, "invalid_value"),
         ({"messages": FRANCE, "temperature": -1}, 400, "invalid_value"),
         ({"messages": FRANCE, "presence_penalty": 2.5}, 400, "invalid_value"),
+        ({"messages": FRANCE, "response_format": {"type": "structural_tag"}}, 400, "invalid_value"),
         (
-            {"messages": FRANCE, "response_format": {"type": "json_object"}},
+            {"messages": FRANCE, "structured_outputs": {"regex": "[unclosed"}},
             400,
-            "unsupported_value",
+            "invalid_value",
         ),
         (  # the prompt fits, the prompt and the answer asked for do not
             {"messages": [{"role": "user", "content": "river " * 150}], "max_tokens": 128},
