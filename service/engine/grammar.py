@@ -61,8 +61,9 @@ class GrammarMatcher:
 
     @property
     def is_finished(self) -> bool:
-        """The answer is complete: the grammar allows nothing more (or the end was sampled)."""
-        return bool(self._matcher.is_stopped())
+        """The answer is over: the grammar allows nothing more (or the end was sampled), or
+        the matcher broke (a token it refused), after which its masks would allow nothing."""
+        return bool(self._matcher.is_stopped() or self._matcher.is_error())
 
     @property
     def error(self) -> str | None:
@@ -76,7 +77,7 @@ class GrammarCompiler:
     takes the request; the engine then only copies the cached matcher."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        self.vocab_size = vocab_size  # the logits' width, which the bitmasks cover
+        # vocab_size: the logits' width, which the matchers' masks cover
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.backend_json(),
             n_vocab=vocab_size,
@@ -161,7 +162,6 @@ class TokenBitmasks:
     PARALLEL_FROM = 16  # sequences; and only with at least 8 cores
 
     def __init__(self, vocab_size: int, max_rows: int) -> None:
-        self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._bitmask = torch.full((max_rows, self.words), -1, dtype=torch.int32)
         self._parallel = (os.cpu_count() or 1) >= 8

@@ -184,10 +184,14 @@ def _without_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     vocab = logits.shape[1]
     pairs = []
     for i, r in enumerate(rows):
-        answer = r.token_ids[r.num_prompt_tokens :] if r.params.bad_words else ()
+        answered = len(r.token_ids) - r.num_prompt_tokens
         for word in r.params.bad_words:
             *head, last = word
-            if last < vocab and (not head or list(answer[-len(head) :]) == head):
+            # only the answer's last len(head) tokens are read (not a copy of the answer)
+            ends_with_head = not head or (
+                answered >= len(head) and list(r.token_ids[-len(head) :]) == head
+            )
+            if last < vocab and ends_with_head:
                 pairs.append((i, last))
     return _with_minus_inf(logits, pairs)
 
