@@ -9,7 +9,9 @@ steps and no two masks are one), once free (ignore_eos, so that it too runs ever
 two runs alternate `--repeats` times and the best of each is kept, so a neighbour's load on a
 shared machine falls on both alike. Reported: generated tokens/s of each, their ratio, the
 engine's phases per step (`StepTiming`: `grammar` is the wait for masks after the forward),
-and compile times.
+and compile times. The forward is the same work in both runs; on a shared machine its time
+moves by 10-20% between runs, more than the masks cost at 32 streams: the phases say where
+a ratio's difference came from.
 
     .venv/bin/python -m benchmarks.structured_throughput [--batch 1 8 32] [--steps 24]
 """
@@ -125,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     run = 0
     for batch in args.batch:
         best: dict[bool, dict[str, float]] = {}
-        for _ in range(args.repeats):
-            for structured in (True, False):
+        for repeat in range(args.repeats):
+            # each kind first in turn: the first run of a pair met a colder cache
+            for structured in (True, False) if repeat % 2 == 0 else (False, True):
                 run += 1
                 got = timed_decode(engine, batch, args.steps, structured, run)
                 if structured not in best or got["tokens_per_s"] > best[structured]["tokens_per_s"]:

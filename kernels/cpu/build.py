@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).with_name("src")
-PER_ISA_SOURCES = ("quants.c", "attention.c", "ops.c")
+PER_ISA_SOURCES = ("quants.c", "attention.c", "ops.c", "sample.c")
 ONCE_SOURCES = ("stack.c", "features.c")
 HEADERS = (
     "pagechat_cpu.h",

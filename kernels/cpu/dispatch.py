@@ -31,7 +31,9 @@ from kernels.cpu.library import library
 log = logging.getLogger(__name__)
 
 # Every kernel with a version per ISA; the first five are the decode stack's table.
-KERNELS = ("gemv", "attend", "rms_norm", "rope_write", "silu_mul", "dequant", "dequant_rows")
+KERNELS = (
+    "gemv", "attend", "rms_norm", "rope_write", "silu_mul", "dequant", "dequant_rows", "sample",
+)  # fmt: skip
 
 
 class CKernels(ctypes.Structure):
@@ -252,6 +254,24 @@ def _probe_silu_mul(version: KernelSet, generic: KernelSet) -> str | None:
     return _differs(ops.silu_mul(version, gate_up), want, 1e-5 * (1 + want.abs()))
 
 
+def _probe_sample(version: KernelSet, generic: KernelSet) -> str | None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    allowed = torch.randint(-(2**31), 2**31, (6, 10), generator=gen, dtype=torch.int64)
+    allowed = allowed.to(torch.int32)
+    allowed[1] = -1
+    allowed[2, 3:] = 0  # ids past 96 forbidden
+    temps = torch.tensor([1.0, 0.7, 0.0, 1.5, 1.0, 0.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.0])
+    for _ in range(4):
+        uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
+        got = ops.sample(version, logits, allowed, temps, min_p, uniforms)
+        want = ops.sample(generic, logits, allowed, temps, min_p, uniforms)
+        if not torch.equal(got, want):
+            return f"drew {got.tolist()} where the generic version drew {want.tolist()}"
+    return None
+
+
 PROBES: dict[str, Probe] = {
     "gemv": _probe_gemv,
     "dequant": _probe_dequant,
@@ -260,4 +280,5 @@ PROBES: dict[str, Probe] = {
     "rope_write": _probe_rope_write,
     "rms_norm": _probe_rms_norm,
     "silu_mul": _probe_silu_mul,
+    "sample": _probe_sample,
 }

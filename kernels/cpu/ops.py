@@ -177,6 +177,37 @@ def silu_mul(kernels: KernelSet, gate_up: Tensor) -> Tensor:
     return out
 
 
+def sample(
+    kernels: KernelSet,
+    logits: Tensor,  # [R, V] fp32, rows contiguous
+    allowed: Tensor,  # [R, W] int32: bit j of word w allows id 32 w + j
+    temperatures: Tensor,  # [R] fp32; <= 0: the likeliest id
+    min_p: Tensor,  # [R] fp32 in [0, 1]
+    uniforms: Tensor,  # [R] float64 in [0, 1)
+) -> Tensor:  # [R] int64
+    """One id per row among those its bits allow (and above -inf): the first id of the
+    largest logit at temperature 0, else a draw from the softmax at its temperature, less
+    the ids under min_p times the likeliest's probability, by inverting the cumulative
+    distribution at the row's uniform. -1 where a row allows no id."""
+    rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.device.type != "cpu":
+        raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: fp32 CPU rows")
+    words = allowed.shape[1] if allowed.dim() == 2 else -1
+    _check(allowed, (rows, words), (torch.int32,), "allowed")
+    _check(temperatures, (rows,), (torch.float32,), "temperatures")
+    _check(min_p, (rows,), (torch.float32,), "min_p")
+    _check(uniforms, (rows,), (torch.float64,), "uniforms")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return out
+    status = kernels.fn("sample")(
+        logits.data_ptr(), rows, vocab, logits.stride(0), allowed.data_ptr(), words,
+        temperatures.data_ptr(), min_p.data_ptr(), uniforms.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    _raise_for(status, "sample")
+    return out
+
+
 def _check_cache(key_cache: Tensor, value_cache: Tensor) -> tuple[int, int]:
     """(hkv, d) of a pool's layer caches [blocks, block_size, hkv, d]."""
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:

@@ -108,7 +108,7 @@ class LLMEngine:
         self.runner = self._build_runner(loaded, device, sizes)
         # Pure decode steps replay CUDA graphs where they can; every other step the runner.
         self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
-        self.sampler = Sampler(device, config.seed)
+        self.sampler = Sampler(device, config.seed, config.cpu_kernels())
         self.vocab_size = loaded.args.vocab_size  # the logits' width
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()

@@ -1,7 +1,7 @@
 """The CPU kernels (kernels/cpu/ops.py), every version this CPU executes: GGUF blocks
 dequantized exactly as gguf does, fp32 products within fp32 rounding of float64 over those
 values, paged decode attention against SDPA over a gathered cache in every cache dtype,
-RoPE with the cache write, RMSNorm and SiLU against torch."""
+RoPE with the cache write, RMSNorm and SiLU against torch, sampling against float64."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import ops
+from kernels.cpu import dispatch, ops
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks, WeightType, random_blocks, row_bytes
+from kernels.cpu.library import library
 from service.engine.model import apply_rope
 from tests.cpu_isa import cpu, cpu_isa
+from tests.kernels.sampling_cases import SampleCase, check_picks, sample_case
 
 __all__ = ["cpu", "cpu_isa"]
 
@@ -242,3 +244,46 @@ def test_rms_norm_and_silu_match_torch_in_fp32(cpu: KernelSet) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     assert torch.allclose(ops.silu_mul(cpu, gate_up), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampling_picks_what_a_float64_reference_picks(cpu: KernelSet, seed: int) -> None:
+    case = sample_case(seed)
+    check_picks(case, _sample(cpu, case))
+
+
+def test_every_sampling_version_picks_the_generic_versions_ids(cpu: KernelSet) -> None:
+    """Bit for bit the same weights and sums in every version, so the same ids; the whole
+    vocabulary of a real model, dense and sparse masks."""
+    lib = library()
+    assert lib is not None
+    generic = dispatch.uniform(lib, "generic")
+    gen = torch.Generator().manual_seed(8)
+    vocab = 49152
+    x = torch.randn(16, vocab, generator=gen) * 3
+    bits = torch.randint(-(2**31), 2**31, (16, vocab // 32), generator=gen).to(torch.int32)
+    bits[8:, 50:] = 0
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.5] * 4)
+    min_p = torch.tensor([0.0] * 12 + [0.05] * 4)
+    for _ in range(5):
+        uniforms = torch.rand(16, generator=gen, dtype=torch.float64)
+        want = ops.sample(generic, x, bits, temps, min_p, uniforms)
+        assert torch.equal(ops.sample(cpu, x, bits, temps, min_p, uniforms), want)
+
+
+def test_sampling_refuses_what_it_cannot_read(cpu: KernelSet) -> None:
+    x, bits = torch.zeros(2, 40), torch.full((2, 2), -1, dtype=torch.int32)
+    one, zero, u = torch.ones(2), torch.zeros(2), torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="logits"):
+        ops.sample(cpu, x.double(), bits, one, zero, u)
+    with pytest.raises(ValueError, match="uniforms"):
+        ops.sample(cpu, x, bits, one, zero, u.float())
+    with pytest.raises(ValueError, match="allowed"):
+        ops.sample(cpu, x, bits[:1], one, zero, u)
+    assert ops.sample(cpu, x[:0], bits[:0], one[:0], zero[:0], u[:0]).numel() == 0
+
+
+def _sample(kernels: KernelSet, case: SampleCase) -> torch.Tensor:
+    return ops.sample(
+        kernels, case.logits, case.allowed, case.temperatures, case.min_p, case.uniforms
+    )

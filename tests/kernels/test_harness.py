@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kernels.cpu import build, ops
 from kernels.cpu.formats import Blocks, WeightType, random_blocks
 from service.engine.model import apply_rope
+from tests.kernels.sampling_cases import check_picks, sample_case
 
 pytestmark = pytest.mark.server
 
@@ -198,3 +199,14 @@ def test_the_harness_rms_norm_and_silu_match_torch(run: Run) -> None:
     (gated,) = run("silu_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_harness_samples_what_a_float64_reference_picks(run: Run, seed: int) -> None:
+    case = sample_case(seed)
+    rows, vocab = case.logits.shape
+    (picks,) = run(
+        "sample", rows, vocab, case.allowed.shape[1], case.logits, case.allowed,
+        case.temperatures, case.min_p, case.uniforms, Out(torch.int64, (rows,)),
+    )  # fmt: skip
+    check_picks(case, picks)

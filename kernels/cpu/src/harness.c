@@ -9,6 +9,7 @@
      harness ISA rope_write CACHE M HQ HKV D CACHE_SLOTS QKV COS SIN SLOTS KC VC QKV' KC' VC'
      harness ISA rms_norm ROWS D EPS X W OUT
      harness ISA silu_mul M INTER GATE_UP OUT
+     harness ISA sample ROWS VOCAB WORDS LOGITS ALLOWED TEMPS MIN_P UNIFORMS OUT
 
    Inputs and outputs are raw little-endian files (a primed name is the output of what the
    unprimed one held). gemv with THREADS 2 runs pc_gemv_threads and its helper thread. */
@@ -31,19 +32,24 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
     void pc_rms_norm_##isa(const float *, const float *, float *, int64_t, int64_t, float);        \
     void pc_rope_write_##isa(float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *,  \
                              const float *, const int64_t *, void *, void *, int64_t);             \
-    void pc_silu_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);
+    void pc_silu_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);                     \
+    int64_t pc_sample_##isa(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,   \
+                            const float *, const float *, const double *, int64_t *);
 
 typedef struct {
     const char *name;
     pc_kernels kernels;
     int64_t (*dequant)(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *,
                        int64_t, int64_t);
+    int64_t (*sample)(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,
+                      const float *, const float *, const double *, int64_t *);
 } version;
 
 #define VERSION(isa)                                                                               \
     {#isa,                                                                                         \
      {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa},  \
-     pc_dequant_##isa}
+     pc_dequant_##isa,                                                                             \
+     pc_sample_##isa}
 
 #if defined(__aarch64__)
 DECLARE(generic)
@@ -201,6 +207,15 @@ int main(int argc, char **argv) {
         float *out = take(sizeof(float) * (size_t)(m * inter));
         v->kernels.silu_mul(load(a[2], NULL), out, inter, 0, m * inter);
         save(a[3], out, sizeof(float) * (size_t)(m * inter));
+        return finish(0);
+    }
+    if (strcmp(op, "sample") == 0 && n == 9) {
+        const int64_t rows = num(a[0]), vocab = num(a[1]), words = num(a[2]);
+        int64_t *out = take(sizeof(int64_t) * (size_t)rows);
+        if (v->sample(load(a[3], NULL), rows, vocab, vocab, load(a[4], NULL), words,
+                      load(a[5], NULL), load(a[6], NULL), load(a[7], NULL), out))
+            return finish(1);
+        save(a[8], out, sizeof(int64_t) * (size_t)rows);
         return finish(0);
     }
     fprintf(stderr, "unknown command or arguments: %s (%d)\n", op, n);
