@@ -179,7 +179,7 @@ def silu_mul(kernels: KernelSet, gate_up: Tensor) -> Tensor:
 
 def sample(
     kernels: KernelSet,
-    logits: Tensor,  # [R, V] fp32, rows contiguous
+    logits: Tensor,  # [R, V] fp32
     allowed: Tensor,  # [R, W] int32: bit j of word w allows id 32 w + j
     temperatures: Tensor,  # [R] fp32; <= 0: the likeliest id
     min_p: Tensor,  # [R] fp32 in [0, 1]
@@ -190,8 +190,9 @@ def sample(
     the ids under min_p times the likeliest's probability, by inverting the cumulative
     distribution at the row's uniform. -1 where a row allows no id."""
     rows, vocab = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.device.type != "cpu":
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
         raise ValueError(f"logits {tuple(logits.shape)} {logits.dtype}: fp32 CPU rows")
+    logits = logits.contiguous()  # a copy only of an expanded or strided view
     words = allowed.shape[1] if allowed.dim() == 2 else -1
     _check(allowed, (rows, words), (torch.int32,), "allowed")
     _check(temperatures, (rows,), (torch.float32,), "temperatures")
@@ -201,7 +202,7 @@ def sample(
     if rows == 0:
         return out
     status = kernels.fn("sample")(
-        logits.data_ptr(), rows, vocab, logits.stride(0), allowed.data_ptr(), words,
+        logits.data_ptr(), rows, vocab, vocab, allowed.data_ptr(), words,
         temperatures.data_ptr(), min_p.data_ptr(), uniforms.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     _raise_for(status, "sample")

@@ -287,3 +287,17 @@ def _sample(kernels: KernelSet, case: SampleCase) -> torch.Tensor:
     return ops.sample(
         kernels, case.logits, case.allowed, case.temperatures, case.min_p, case.uniforms
     )
+
+
+def test_sampling_reads_one_row_views_and_expanded_rows(cpu: KernelSet) -> None:
+    """A row picked from a wider batch keeps the batch's stride; an expanded row has stride 0:
+    both are read as the rows they show."""
+    x = torch.randn(4, 40)
+    bits = torch.full((3, 2), -1, dtype=torch.int32)
+    greedy, zero, u = torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.float64)
+    one_row = x[2:3, :].as_strided((1, 40), (7, 1), storage_offset=80)  # stride(0) odd
+    assert ops.sample(cpu, one_row, bits[:1], greedy[:1], zero[:1], u[:1]).item() == int(
+        x[2].argmax()
+    )
+    expanded = x[1:2].expand(3, 40)
+    assert ops.sample(cpu, expanded, bits, greedy, zero, u).tolist() == [int(x[1].argmax())] * 3
