@@ -39,3 +39,13 @@ def test_the_throughput_run_times_full_batches_with_and_without_a_schema(tmp_pat
     (row,) = json.loads(out.read_text())["batches"]
     assert row["schema_tokens_per_s"] > 0 and row["free_tokens_per_s"] > 0
     assert row["schema_phases"]["grammar_ms"] > 0  # the masks were filled
+    assert row["ratio_same_forward"] > 0
+
+
+def test_the_same_forward_ratio_keeps_only_what_differs_besides_the_forward() -> None:
+    schema = {"forward_ms": 80.0, "grammar_ms": 3.0, "sample_ms": 2.0, "tokens_per_s": 1.0}
+    free = {"forward_ms": 60.0, "grammar_ms": 0.0, "sample_ms": 5.0, "tokens_per_s": 1.0}
+    # both at a 70 ms forward: 75 ms a step free, 75 ms with the schema
+    assert structured_throughput.same_forward_ratio(schema, free) == 1.0
+    schema["grammar_ms"] = 13.0
+    assert structured_throughput.same_forward_ratio(schema, free) == 75 / 85
