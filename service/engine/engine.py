@@ -37,6 +37,7 @@ from service.engine.sampler import SampledToken, Sampler, SamplingRow
 from service.engine.scheduler import ScheduledChunk, Scheduler
 from service.engine.sequence import Sequence, SequenceStatus
 from service.engine.stop import StopChecker
+from service.engine.token_counts import TokenCounts
 from service.engine.values import (
     CacheScope,
     EngineStats,
@@ -466,11 +467,15 @@ class LLMEngine:
         blocked: frozenset[int] = frozenset()
         if seq.num_output_tokens < params.min_tokens:  # min_tokens: no stop token yet
             blocked = self._requests[seq.request_id].stop_checkers[seq.sample_index].stop_ids
+        if params.penalized and seq.counts is None:  # at its first sample (or readmission)
+            prompt = seq.num_prompt_tokens
+            seq.counts = TokenCounts(seq.token_ids[:prompt], seq.token_ids[prompt:])
         return SamplingRow(
             params,
             seq.generator,
-            token_ids=seq.token_ids if params.penalized or params.bad_words else (),
+            token_ids=seq.token_ids if params.bad_words else (),
             num_prompt_tokens=seq.num_prompt_tokens,
+            counts=seq.counts,
             blocked=blocked,
             allowed=allowed,
         )
@@ -481,6 +486,8 @@ class LLMEngine:
         outputs = []
         for seq, token in samples:
             seq.token_ids.append(token.token_id)
+            if seq.counts is not None:
+                seq.counts.add(token.token_id)
             if seq.grammar is not None and not seq.grammar.accept(token.token_id):
                 log.error(
                     "request %s: token %d is outside its grammar (%s); the answer ends here",

@@ -21,15 +21,17 @@ from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
 from service.engine.grammar import apply_bitmask
 from service.engine.params import SamplingParams
+from service.engine.token_counts import TokenCounts
 
 
 @dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None  # per-request seed; None: the engine's generator
-    # The sample's tokens so far (prompt, then answer), where a penalty reads them.
+    # The sample's tokens so far (prompt, then answer), where a bad word reads them.
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
+    counts: TokenCounts | None = None  # what the penalties read (params.penalized)
     blocked: frozenset[int] = frozenset()  # ids it may not pick now (stop ids, min_tokens)
     # The ids its grammar allows now, one bit each (grammar.TokenBitmasks); None: any.
     allowed: torch.Tensor | None = None
@@ -247,40 +249,47 @@ def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _with_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """A copy of `logits` with each penalized row's penalties applied, as vLLM applies them:
-    repetition over every token seen (prompt and answer), then frequency and presence over
-    the answer's. Only the logits of tokens seen are read and written (a few hundred a row,
-    not the vocabulary): each (row, token) pair is one flat index into the logits, counted
-    once for the whole batch."""
+    repetition over every id seen (prompt and answer), then frequency and presence over the
+    answer's. Only the logits of ids seen are read and written (a few hundred a row, not the
+    vocabulary), each (row, id) one flat index into the logits; the rows' `TokenCounts`
+    already hold their distinct ids, so the batch's are one concatenation, not a pass over
+    each sequence's tokens."""
     vocab = logits.shape[1]
-    answer_keys: list[int] = []
-    seen_keys: list[int] = []
-    for i, r in enumerate(rows):
-        if not r.params.penalized:
-            continue
-        base = i * vocab
-        answer = [base + t for t in r.token_ids[r.num_prompt_tokens :] if t < vocab]
-        answer_keys += answer
-        if r.params.repetition_penalty != 1.0:
-            seen_keys += answer
-            seen_keys += [base + t for t in r.token_ids[: r.num_prompt_tokens] if t < vocab]
     out = logits.clone(memory_format=torch.contiguous_format)
     flat = out.view(-1)
-    device = logits.device
-
-    def per_key(name: str, keys: torch.Tensor) -> torch.Tensor:
-        by_row = torch.tensor([getattr(r.params, name) for r in rows], dtype=out.dtype)
-        return by_row.to(device)[keys // vocab]
-
-    if seen_keys:
-        seen = torch.unique(torch.tensor(seen_keys, dtype=torch.int64, device=device))
-        values, repetition = flat[seen], per_key("repetition_penalty", seen)
-        flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
-    if answer_keys:
-        answers = torch.tensor(answer_keys, dtype=torch.int64, device=device)
-        keys, counts = torch.unique(answers, return_counts=True)
-        penalty = per_key("frequency_penalty", keys) * counts + per_key("presence_penalty", keys)
-        flat.index_add_(0, keys, -penalty)
+    penalized = [(i, r.params, r.counts) for i, r in enumerate(rows) if r.params.penalized]
+    repeating = [(i, p, c) for i, p, c in penalized if c and p.repetition_penalty != 1.0]
+    if repeating:
+        keys, part, _ = _flat_keys([(i, c.seen) for i, _, c in repeating], vocab)
+        penalty = torch.tensor([p.repetition_penalty for _, p, _ in repeating])[part]
+        keys, penalty = keys.to(out.device), penalty.to(out.device, out.dtype)
+        values = flat[keys]
+        flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
+    counting = [
+        (i, p, c) for i, p, c in penalized
+        if c and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+    ]  # fmt: skip
+    if counting:
+        keys, part, kept = _flat_keys([(i, c.answer_ids) for i, _, c in counting], vocab)
+        counts = torch.from_numpy(np.concatenate([c.answer_counts for _, _, c in counting]))
+        frequency = torch.tensor([p.frequency_penalty for _, p, _ in counting])[part]
+        presence = torch.tensor([p.presence_penalty for _, p, _ in counting])[part]
+        penalty = frequency * counts[kept] + presence
+        flat.index_add_(0, keys.to(out.device), -penalty.to(out.device, out.dtype))
     return out
+
+
+def _flat_keys(
+    parts: list[tuple[int, np.ndarray]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For (row, distinct ids) parts: (row * vocab + id for each id under vocab, the part
+    each came from, which of the concatenated ids those are)."""
+    ids = torch.from_numpy(np.concatenate([ids for _, ids in parts]))
+    lengths = torch.tensor([len(ids) for _, ids in parts])
+    part = torch.repeat_interleave(torch.arange(len(parts)), lengths)
+    kept = ids < vocab  # an id past the logits' width (the API refuses them) is skipped
+    row_base = torch.tensor([row * vocab for row, _ in parts])
+    return (ids + row_base[part])[kept], part[kept], kept
 
 
 def _bad_word_bans(rows: list[SamplingRow], vocab: int) -> list[tuple[int, int]]:

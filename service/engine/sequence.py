@@ -22,6 +22,7 @@ from service.engine.values import CacheScope, FinishReason
 if TYPE_CHECKING:
     from service.engine.grammar import GrammarMatcher
     from service.engine.kvtier.connector import TierState
+    from service.engine.token_counts import TokenCounts
 
 
 class SequenceStatus(enum.Enum):
@@ -71,6 +72,9 @@ class Sequence:
     tier: TierState | None = None
     # Where its answer is in the grammar it must match (params.structured); None: free.
     grammar: GrammarMatcher | None = None
+    # The distinct ids its penalties read, kept as tokens come (params.penalized; made at the
+    # first sample).
+    counts: TokenCounts | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -112,4 +116,5 @@ class Sequence:
             num_loaded_tokens=self.num_loaded_tokens,
             generator=generator,
             grammar=None if self.grammar is None else self.grammar.fork(),
+            counts=None if self.counts is None else self.counts.copy(),
         )

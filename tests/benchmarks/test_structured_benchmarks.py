@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from benchmarks import grammar_backends, structured_throughput
+from benchmarks import grammar_backends, sampler, structured_throughput
 from benchmarks.json_schemas import random_instance, schemas
 
 pytestmark = pytest.mark.real_model
@@ -49,3 +49,14 @@ def test_the_same_forward_ratio_keeps_only_what_differs_besides_the_forward() ->
     assert structured_throughput.same_forward_ratio(schema, free) == 1.0
     schema["grammar_ms"] = 13.0
     assert structured_throughput.same_forward_ratio(schema, free) == 75 / 85
+
+
+def test_the_sampler_benchmark_times_every_case_on_both_paths(tmp_path: Path) -> None:
+    out = tmp_path / "sampler.json"
+    args = ["--rows", "3", "--vocab", "1000", "--context", "50", "--repeats", "2"]
+    assert sampler.main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())["ms_per_step"]
+    assert len(report) == 2  # the tensor ops and the CPU kernels
+    for figures in report.values():
+        assert set(figures) == {"seeded", "dense grammar", "sparse grammar", "greedy", "penalties"}
+        assert all(ms > 0 for ms in figures.values())

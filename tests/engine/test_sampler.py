@@ -10,6 +10,7 @@ import torch
 from kernels.cpu import dispatch
 from service.engine.params import SamplingParams
 from service.engine.sampler import Sampler, SamplingRow, _top_k_top_p, _with_penalties
+from service.engine.token_counts import TokenCounts
 
 V = 8
 
@@ -128,6 +129,7 @@ def seen(params: dict[str, object], prompt: list[int], answer: list[int]) -> Sam
         None,
         token_ids=[*prompt, *answer],
         num_prompt_tokens=len(prompt),
+        counts=TokenCounts(prompt, answer),
     )
 
 
@@ -280,9 +282,12 @@ def test_penalties_match_a_plain_reference_on_random_rows(seed: int) -> None:
             frequency_penalty=round(4 * pick[1] - 2, 2),
             repetition_penalty=round(0.5 + 1.5 * pick[2], 2),
         )
-        rows.append(
-            SamplingRow(params, None, token_ids=prompt + answer, num_prompt_tokens=len(prompt))
-        )
+        counts = TokenCounts(prompt)
+        for token in answer:  # as the engine keeps them: a token at a time
+            counts.add(token)
+        if r % 2:
+            counts = counts.copy()  # as a fork takes them
+        rows.append(SamplingRow(params, None, num_prompt_tokens=len(prompt), counts=counts))
         expected.append(reference_penalties(x[r], prompt, answer, params))
     assert torch.allclose(_with_penalties(x, rows), torch.stack(expected), atol=1e-5)
 
