@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from benchmarks.json_schemas import random_instance, schemas
+from benchmarks.output import emit
 from service.engine.grammar import JSON_OPTIONS
 from service.engine.tokenizer import Tokenizer
 
@@ -187,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": platform.processor() or platform.machine(),
         "results": results,
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+    emit(report, args.json)
     return 0
 
 

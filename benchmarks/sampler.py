@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.output import emit
 from kernels.cpu import dispatch
 from service.engine.params import SamplingParams
 from service.engine.sampler import Sampler, SamplingRow
@@ -106,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             figures[case] = round(timed(step, args.repeats), 3)
         report["ms_per_step"][name] = figures
         print(name, json.dumps(figures), file=sys.stderr)
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+    emit(report, args.json)
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.json_schemas import value_schema
+from benchmarks.output import emit
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams, StructuredOutput
@@ -161,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), file=sys.stderr)
     engine.check_balanced()
     engine.close()
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
+    emit(report, args.json)
     return 0
 
 
