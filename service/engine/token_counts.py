@@ -16,12 +16,11 @@ import numpy as np
 
 
 class TokenCounts:
-    __slots__ = ("_answer_counts", "_answer_ids", "_answer_slot", "_num_seen", "_seen", "_seen_ids")
+    __slots__ = ("_answer_counts", "_answer_ids", "_answer_slot", "_seen", "_seen_ids")
 
     def __init__(self, prompt: Sequence[int], answer: Sequence[int] = ()) -> None:
         self._seen_ids: set[int] = set()
-        self._seen = np.empty(64, dtype=np.int64)
-        self._num_seen = 0
+        self._seen = np.empty(64, dtype=np.int64)  # _seen_ids in arrival order, then room
         self._answer_slot: dict[int, int] = {}  # an answer id -> its place in the two below
         self._answer_ids = np.empty(16, dtype=np.int64)
         self._answer_counts = np.empty(16, dtype=np.float32)
@@ -47,7 +46,7 @@ class TokenCounts:
     @property
     def seen(self) -> np.ndarray:
         """[n] int64: every distinct id of the prompt and the answer (a view)."""
-        return self._seen[: self._num_seen]
+        return self._seen[: len(self._seen_ids)]
 
     @property
     def answer_ids(self) -> np.ndarray:
@@ -63,7 +62,6 @@ class TokenCounts:
         twin = TokenCounts(())
         twin._seen_ids = set(self._seen_ids)
         twin._seen = self._seen.copy()
-        twin._num_seen = self._num_seen
         twin._answer_slot = dict(self._answer_slot)
         twin._answer_ids = self._answer_ids.copy()
         twin._answer_counts = self._answer_counts.copy()
@@ -72,11 +70,11 @@ class TokenCounts:
     def _see(self, token_id: int) -> None:
         if token_id in self._seen_ids:
             return
+        slot = len(self._seen_ids)
         self._seen_ids.add(token_id)
-        if self._num_seen == len(self._seen):
+        if slot == len(self._seen):
             self._seen = _grown(self._seen)
-        self._seen[self._num_seen] = token_id
-        self._num_seen += 1
+        self._seen[slot] = token_id
 
 
 def _grown(array: np.ndarray) -> np.ndarray:
