@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server and llama-perplexity (CPU only) into build/llama.cpp/
-# (git-ignored), for benchmarks/peers.py and benchmarks/perplexity.py --llama-perplexity. The sources are the llama.cpp vendored in the llama-cpp-python sdist on
+# Builds llama.cpp's llama-server, llama-perplexity and llama-quantize (CPU only) into
+# build/llama.cpp/ (git-ignored), for benchmarks/peers.py, benchmarks/perplexity.py
+# --llama-perplexity and scripts/make-test-models.sh. The sources are the llama.cpp vendored in the llama-cpp-python sdist on
 # the package index: a pinned release, fetched with pip, so no git remote is needed. The first
 # run takes ~4 minutes to fetch the sdist and ~10 CPU-minutes to compile (-j2: 5 minutes on two
 # quiet cores, 18 on a busy shared machine); a later run finds the binary and does nothing
@@ -16,7 +17,7 @@ root=build/llama.cpp
 binary=$root/bin/llama-server
 jobs=${JOBS:-2}
 
-if [ -x "$binary" ] && [ -x "$root/bin/llama-perplexity" ]; then
+if [ -x "$binary" ] && [ -x "$root/bin/llama-perplexity" ] && [ -x "$root/bin/llama-quantize" ]; then
     echo "$binary"
     exit 0
 fi
@@ -39,10 +40,11 @@ cmake -S "$src" -B "$root/cmake" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$root/cmake.log" 2>&1 ||
     { tail -n 30 "$root/cmake.log" >&2; exit 1; }
-echo "building llama-server and llama-perplexity with -j$jobs (log: $root/build.log)" >&2
-cmake --build "$root/cmake" --target llama-server llama-perplexity -j "$jobs" \
+echo "building llama-server, llama-perplexity and llama-quantize with -j$jobs (log: $root/build.log)" >&2
+cmake --build "$root/cmake" --target llama-server llama-perplexity llama-quantize -j "$jobs" \
     >"$root/build.log" 2>&1 || { tail -n 30 "$root/build.log" >&2; exit 1; }
 mkdir -p "$root/bin"
 cp "$root/cmake/bin/llama-server" "$binary"
 cp "$root/cmake/bin/llama-perplexity" "$root/bin/llama-perplexity"
+cp "$root/cmake/bin/llama-quantize" "$root/bin/llama-quantize"
 echo "$binary"
