@@ -186,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto"],
         help="CPU kernel versions, each forced in turn (auto: the best this CPU runs)",
     )
+    parser.add_argument(
+        "--matmul-inputs",
+        nargs="+",
+        default=["auto"],
+        help="the packed products' inputs, each in turn: auto | int8 | fp32",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=200)
@@ -219,14 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         return synthetic_main(args)
 
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
-    for weights, isa, threads, decode_threads in itertools.product(
-        args.weights, args.cpu_isa, args.threads, args.decode_threads
+    for weights, isa, inputs, threads, decode_threads in itertools.product(
+        args.weights, args.cpu_isa, args.matmul_inputs, args.threads, args.decode_threads
     ):
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
             weights=weights,
             cpu_isa=isa,
+            matmul_inputs=inputs,
             max_num_seqs=max(args.batch),
             max_model_len=1024,
             kv_cache_mb=args.kv_cache_mb,
@@ -235,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine = LLMEngine(config)  # its crossover trial runs at `threads`
         name = weights if len(args.cpu_isa) == 1 else f"{weights} {isa}"
+        if len(args.matmul_inputs) > 1:
+            name += f" {inputs}"
         if len(args.threads) > 1:
             name += f" {threads}t"
         if len(args.decode_threads) > 1:

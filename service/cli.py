@@ -28,6 +28,8 @@ CLI_ENGINE_FIELDS = (
     "weight_dtype",
     "weights",
     "device",
+    "cpu_isa",
+    "matmul_inputs",
     "attention_backend",
     "num_threads",
     "cuda_graphs",

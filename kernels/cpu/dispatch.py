@@ -8,11 +8,15 @@ where $PAGECHAT_CPU_ISA names one, that version; `select("avx2")` forces one (re
 the CPU cannot run it). Each kernel's version is then probed against the generic version on
 small random inputs: a version that disagrees is not used, that kernel alone falls back to
 the next version down, and a warning says which and why. The rest keep theirs.
+
+`select(isa, matmul_inputs="int8")` is the same choice with the packed products taking their
+inputs as int8 (products_q8.c, `gemv_q8`) wherever the table says `gemv`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +37,11 @@ log = logging.getLogger(__name__)
 # Every kernel with a version per ISA; the first five are the decode stack's table.
 KERNELS = (
     "gemv", "attend", "rms_norm", "rope_write", "silu_mul", "dequant", "dequant_rows", "sample",
+    "gemv_q8", "quantize_q8",
 )  # fmt: skip
+# What the packed products take as inputs: fp32 as they are (the dequantized model's
+# arithmetic), or int8 per 32 inputs (`gemv_q8` in `gemv`'s place).
+MATMUL_INPUTS = ("fp32", "int8")
 
 
 class CKernels(ctypes.Structure):
@@ -55,7 +63,8 @@ class KernelSet:
     chosen: Mapping[str, str]  # kernel -> the version that runs it
     runnable: tuple[str, ...] = ()  # the versions this CPU runs
     fallbacks: tuple[str, ...] = ()  # a line per kernel that fell back, saying why
-    _table: list[CKernels] = field(default_factory=list, repr=False)
+    matmul_inputs: str = "fp32"  # one of MATMUL_INPUTS
+    _table: list[CKernels] = field(default_factory=list, repr=False, init=False)
 
     @property
     def isa(self) -> str:
@@ -64,6 +73,8 @@ class KernelSet:
         return max(set(values), key=lambda isa: (values.count(isa), names().index(isa)))
 
     def fn(self, kernel: str) -> Any:
+        if kernel == "gemv" and self.matmul_inputs == "int8":
+            kernel = "gemv_q8"
         return getattr(self.lib, f"pc_{kernel}_{self.chosen[kernel]}")
 
     @property
@@ -73,10 +84,17 @@ class KernelSet:
             self._table.append(CKernels(**addresses))
         return self._table[0]
 
+    def with_matmul_inputs(self, matmul_inputs: str) -> KernelSet:
+        """The same versions, their products taking `matmul_inputs` (one of MATMUL_INPUTS)."""
+        if matmul_inputs not in MATMUL_INPUTS:
+            raise ValueError(f"matmul inputs {matmul_inputs!r}: one of {MATMUL_INPUTS}")
+        return _with_inputs(self, matmul_inputs)
+
     def describe(self) -> str:
         """For the start-up log and /v1/stats: the version, and any kernel that differs."""
         others = [f"{k} {isa}" for k, isa in self.chosen.items() if isa != self.isa]
-        return self.isa + (f" ({', '.join(others)})" if others else "")
+        inputs = ", int8 inputs" if self.matmul_inputs == "int8" else ""
+        return self.isa + (f" ({', '.join(others)})" if others else "") + inputs
 
 
 def cpu_description() -> str:
@@ -107,11 +125,21 @@ def requested_isa(isa: str = "auto") -> str:
     return isa
 
 
-def select(isa: str = "auto") -> KernelSet | None:
-    """The kernels for `isa` (auto: the best this CPU runs), each probed; None where there is
-    no library and `isa` is auto. A version this CPU cannot run, or one this architecture
-    does not have, is a ValueError; so is a forced version without the library."""
-    return _select(requested_isa(isa))
+def select(isa: str = "auto", matmul_inputs: str = "fp32") -> KernelSet | None:
+    """The kernels for `isa` (auto: the best this CPU runs), each probed, their products
+    taking `matmul_inputs`; None where there is no library and `isa` is auto. A version this
+    CPU cannot run, or one this architecture does not have, is a ValueError; so is a forced
+    version without the library."""
+    chosen = _select(requested_isa(isa))
+    return None if chosen is None else chosen.with_matmul_inputs(matmul_inputs)
+
+
+@functools.cache
+def _with_inputs(kernels: KernelSet, matmul_inputs: str) -> KernelSet:
+    """One KernelSet per choice and inputs (each builds its own table once)."""
+    if matmul_inputs == kernels.matmul_inputs:
+        return kernels
+    return dataclasses.replace(kernels, matmul_inputs=matmul_inputs)
 
 
 @functools.cache
@@ -175,6 +203,34 @@ def _probe_gemv(version: KernelSet, generic: KernelSet) -> str | None:
             problem = _differs(ops.gemv(version, weight, x), ops.gemv(generic, weight, x), bound)
             if problem:
                 return f"{kind.name}, {m} rows: {problem}"
+    return None
+
+
+def _probe_gemv_q8(version: KernelSet, generic: KernelSet) -> str | None:
+    gen = torch.Generator().manual_seed(8)
+    for kind in WeightType:
+        k = 2 * (256 if kind >= WeightType.Q4_K else 32)
+        weight = random_blocks(kind, 8, k, gen)
+        dense = ops.dequantize(generic, weight, (0, 8), torch.empty(8, k))
+        # the same int8 inputs and integer products: only the fp32 sums' rounding may differ
+        for m in (1, 5, 40):
+            x = torch.randn(m, k, generator=gen)
+            bound = 1e-5 * (x.abs().double() @ dense.abs().double().t()) + 1e-30
+            got, want = ops.gemv_q8(version, weight, x), ops.gemv_q8(generic, weight, x)
+            if problem := _differs(got, want, bound):
+                return f"{kind.name}, {m} rows: {problem}"
+    return None
+
+
+def _probe_quantize_q8(version: KernelSet, generic: KernelSet) -> str | None:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 96, generator=gen) * torch.logspace(-3, 3, 96)
+    x[1, 40] = float("inf")
+    parts = ("values", "scales", "sums per 32", "sums per 16")
+    got, want = ops.quantize_q8(version, x), ops.quantize_q8(generic, x)
+    for part, mine, theirs in zip(parts, got, want, strict=True):
+        if not torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)):
+            return f"not the same {part}"
     return None
 
 
@@ -274,6 +330,8 @@ def _probe_sample(version: KernelSet, generic: KernelSet) -> str | None:
 
 PROBES: dict[str, Probe] = {
     "gemv": _probe_gemv,
+    "gemv_q8": _probe_gemv_q8,
+    "quantize_q8": _probe_quantize_q8,
     "dequant": _probe_dequant,
     "dequant_rows": _probe_dequant_rows,
     "attend": _probe_attend,

@@ -28,6 +28,8 @@ F32 = ctypes.c_float
 # Every version's entry points (pc_<name>_<isa>), as kernels/cpu/src declares them.
 PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "gemv": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
+    "gemv_q8": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
+    "quantize_q8": (None, (P, I64, I64, P)),
     "dequant": (I64, (I64, P, I64, I64, I64, I64, P, I64, I64)),
     "dequant_rows": (I64, (I64, P, I64, I64, P, I64, P)),
     "attend": (I64, (P, I64, I64, I64)),

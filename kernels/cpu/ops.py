@@ -110,6 +110,40 @@ def gemv(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
     return y
 
 
+def gemv_q8(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
+    """`gemv` with the input taken as int8 per 32 elements (`quantize_q8`): [m, n] fp32."""
+    x = _input(x, weight.k)
+    y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+    status = kernels.fn("gemv_q8")(
+        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
+        x.shape[0], weight.k, y.data_ptr(), weight.n, 0, weight.n,
+    )  # fmt: skip
+    _raise_for(status, "gemv_q8")
+    return y
+
+
+def q8_row_bytes(k: int) -> int:
+    """Bytes of one int8 input row of k elements (pagechat_cpu.h, `pc_q8_row_bytes`)."""
+    return k + k // 32 * 8 + k // 16 * 4
+
+
+def quantize_q8(kernels: KernelSet, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [m, k] fp32 (k a multiple of 32) as the int8 products take it: q [m, k] int8, a
+    scale per 32 [m, k / 32] (x ~ scale q), scale * sum(q) per 32 [m, k / 32] and per 16
+    [m, k / 16]."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"int8 inputs come in blocks of 32, not {k}")
+    x = _input(x, k)
+    out = torch.empty(m, q8_row_bytes(k), dtype=torch.uint8)
+    kernels.fn("quantize_q8")(x.data_ptr(), m, k, out.data_ptr())
+    q = out[:, :k].view(torch.int8)
+    scales = out[:, k : k + k // 8].contiguous().view(torch.float32)
+    sums32 = out[:, k + k // 8 : k + k // 4].contiguous().view(torch.float32)
+    sums16 = out[:, k + k // 4 :].contiguous().view(torch.float32)
+    return q, scales, sums32, sums16
+
+
 def gemv_threads(kernels: KernelSet, parts: Sequence[Blocks], x: Tensor, threads: int) -> Tensor:
     """`gemv` over weights whose outputs follow one another ([m, sum of n]), the rows split
     with the library's helper thread where `threads` is 2 and the helper is free."""

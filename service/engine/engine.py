@@ -636,6 +636,7 @@ def _load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
         dense_dtype=config.torch_dense_dtype(),
         serve_stored=config.serve_stored(),
         threads=config.native_threads(),
+        matmul_inputs=config.matmul_inputs,
     )
     release_freed()
     return loaded

@@ -31,7 +31,13 @@ from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks, WeightType
 from service.engine.families import UnsupportedModelError, family_of_gguf, family_of_hf
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import QUANTIZE_TO, PackedWeight, Weight
+from service.engine.quant import (
+    QUANTIZE_TO,
+    PackedWeight,
+    Weight,
+    auto_matmul_inputs,
+    matmul_parameters,
+)
 from service.engine.tokenizer import Tokenizer, gguf_tokenizer_problem
 
 log = logging.getLogger(__name__)
@@ -100,18 +106,23 @@ def load_model(
     dense_dtype: torch.dtype = torch.float32,
     serve_stored: bool = False,
     threads: int = 1,
+    matmul_inputs: str | None = None,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
     and torch.int8 name the packed formats, run by the CPU `kernels`, whose steps of more
     than `max_packed_tokens` rows run dequantized to `dense_dtype`, and whose native products
     split with the kernels' helper thread at `threads` 2: `LlamaModel.from_weights`).
+    `matmul_inputs` int8 or fp32 sets what the kernels' products take as inputs, auto picks by
+    the model's size (`quant.auto_matmul_inputs`); None keeps the kernels' own.
 
     `serve_stored`: a GGUF whose layer matmuls are stored in block types the kernels read is
     served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the
     file's own values at the file's size. What `weights auto` asks for on a CPU with the
     kernels."""
     path = model_path(source)
-    build = _Build(dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads)
+    build = _Build(
+        dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads, matmul_inputs
+    )
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
@@ -165,15 +176,22 @@ class _Build:
     max_packed_tokens: int | None
     dense_dtype: torch.dtype
     threads: int
+    matmul_inputs: str | None
 
     def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> LlamaModel:
+        kernels = self.kernels
+        if kernels is not None and self.matmul_inputs is not None:
+            inputs = self.matmul_inputs
+            if inputs == "auto":
+                inputs = auto_matmul_inputs(matmul_parameters(weights))
+            kernels = kernels.with_matmul_inputs(inputs)
         return LlamaModel.from_weights(
             args,
             weights,
             self.dtype,
             self.device,
             weight_dtype=self.weight_dtype,
-            kernels=self.kernels,
+            kernels=kernels,
             max_packed_tokens=self.max_packed_tokens,
             dense_dtype=self.dense_dtype,
             threads=self.threads,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -123,6 +123,33 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
 
 def map_rows(w: Weight, fn: Callable[[Tensor], Tensor]) -> Weight:
     return fn(w) if isinstance(w, Tensor) else w.map_rows(fn)
+
+
+# NOTE: `matmul_inputs` auto gives int8 inputs to models of this many matmul parameters and
+# more (a 0.5B model and up), fp32 to smaller ones. In a model of 1B and more the products are
+# most of a step and int8's integer products 2-2.5x faster on K-quant weights (docs/perf.md,
+# "int8 inputs"); a model of a few hundred million is fast either way, and its flat
+# distributions hold near ties that int8 inputs flip (the bundled 135M model answers "What is
+# the capital of France?" with "L'Etoile" under them, as llama.cpp does, "Paris" under fp32).
+INT8_INPUTS_FROM_PARAMETERS = 400_000_000
+
+
+def auto_matmul_inputs(parameters: int) -> str:
+    """What `matmul_inputs` auto picks for a model of `parameters` matmul parameters."""
+    return "int8" if parameters >= INT8_INPUTS_FROM_PARAMETERS else "fp32"
+
+
+def matmul_parameters(weights: Mapping[str, Weight]) -> int:
+    """Parameters of the matmul weights among `weights` (a model's, by our names): the 2-D
+    ones, packed or dense; a tied embedding counted once, as the LM head it is."""
+    total = 0
+    for w in weights.values():
+        if isinstance(w, PackedWeight):
+            n, k = w.shape
+            total += n * k
+        elif w.dim() == 2:
+            total += w.numel()
+    return total
 
 
 def weights_name(kinds: Sequence[WeightType]) -> str:

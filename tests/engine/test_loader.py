@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.cpu import dispatch
-from kernels.cpu.formats import WeightType
+from kernels.cpu.formats import WeightType, random_blocks
 from service.engine.families.llama import unpermute_rope
 from service.engine.loader import (
     LoadedModel,
@@ -26,6 +26,7 @@ from service.engine.loader import (
     open_gguf,
 )
 from service.engine.model import ModelArgs
+from service.engine import quant
 from service.engine.quant import QuantLinear
 from tests.engine.greedy import NEAR_TIE
 from tests.tiny_model import ContiguousAttention, greedy_generate, make_tiny_llama
@@ -358,3 +359,36 @@ def test_the_gguf_is_served_as_stored_with_the_dequantized_models_logits(
     top2 = dense.topk(2, dim=-1).values  # [S, 2]
     decided = top2[:, 0] - top2[:, 1] >= NEAR_TIE
     assert torch.equal(packed.argmax(-1)[decided], dense.argmax(-1)[decided])
+
+
+@pytest.mark.parametrize(
+    ("asked", "threshold", "want"),
+    [("auto", None, "fp32"), ("auto", 1, "int8"), ("int8", None, "int8"), ("fp32", 1, "fp32")],
+)
+def test_matmul_inputs_auto_gives_int8_from_its_size_and_an_explicit_choice_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asked: str, threshold: int | None, want: str
+) -> None:
+    # The tiny model's ~100k matmul parameters are under the threshold: fp32, as the bundled
+    # model's; lowered under them, int8. Every packed projection and the LM head take it.
+    if threshold is not None:
+        monkeypatch.setattr(quant, "INT8_INPUTS_FROM_PARAMETERS", threshold)
+    kernels = dispatch.select("auto")
+    directory = make_tiny_llama(tmp_path / "tiny")
+    loaded = load_model(
+        directory, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels,
+        matmul_inputs=asked,
+    )  # fmt: skip
+    assert loaded.model.kernels is not None
+    assert loaded.model.kernels.matmul_inputs == want
+    linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.kernels.matmul_inputs == want for m in linears)
+    assert ("int8 inputs" in loaded.model.weights_description) == (want == "int8")
+
+
+def test_matmul_parameters_count_every_matmul_weight_once() -> None:
+    gen = torch.Generator().manual_seed(0)
+    packed = quant.PackedWeight((random_blocks(WeightType.Q4_K, 8, 256, gen),))
+    weights = {"a.weight": packed, "b.weight": torch.zeros(3, 5), "norm.weight": torch.zeros(7)}
+    assert quant.matmul_parameters(weights) == 8 * 256 + 15
+    assert quant.auto_matmul_inputs(quant.INT8_INPUTS_FROM_PARAMETERS) == "int8"
+    assert quant.auto_matmul_inputs(quant.INT8_INPUTS_FROM_PARAMETERS - 1) == "fp32"

@@ -25,6 +25,7 @@ from kernels.cpu import build, ops
 from kernels.cpu.formats import Blocks, WeightType, random_blocks
 from service.engine.model import apply_rope
 from tests.kernels.sampling_cases import check_picks, sample_case
+from tests.kernels.test_products_q8 import _dequantized_inputs
 
 pytestmark = pytest.mark.server
 
@@ -145,6 +146,32 @@ def test_the_harness_dequantizes_exactly_and_multiplies_in_fp32(
         per_term = 2.0**-15 if target[1] == "amx" and rows >= 32 else k * 2.0**-24
         bound = per_term * (x.double().abs() @ want_w.double().abs().t()) + 1e-30
         assert ((y.double() - x.double() @ want_w.double().t()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", list(WeightType))
+def test_the_harness_products_of_int8_inputs_are_their_dot_products_same_at_any_row_count(
+    run: Run, kind: WeightType
+) -> None:
+    # tests/kernels/test_products_q8.py's checks through the harness: the inputs quantized as
+    # ggml's Q8_0 (q8_reference), one to four rows from the blocks, more side by side in
+    # vector lanes (NEON's 4, AVX512's 16, others' 8: 21 rows end in a part vector of each),
+    # split with the helper thread; legacy types' rows ending in a part chunk of sub-blocks.
+    gen = torch.Generator().manual_seed(50 + int(kind))
+    k = 256 if kind >= WeightType.Q4_K else 352
+    weight = random_blocks(kind, 11, k, gen)
+    w = _gguf(weight).double()
+    x = torch.randn(17, k, generator=gen)
+    xq = _dequantized_inputs(x)
+    outputs = {}
+    for rows, threads in ((3, 2), (17, 2)):
+        (y,) = run(
+            "gemv_q8", int(kind), rows, 11, k, threads, weight.data, x[:rows],
+            Out(torch.float32, (rows, 11)),
+        )  # fmt: skip
+        bound = k * 2.0**-24 * (xq[:rows].abs() @ w.abs().t()) + 1e-30
+        assert ((y.double() - xq[:rows] @ w.t()).abs() <= bound).all()
+        outputs[rows] = y
+    assert torch.equal(outputs[3], outputs[17][:3])
 
 
 @pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))

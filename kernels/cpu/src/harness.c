@@ -4,6 +4,7 @@
 
      harness runs                         the versions this CPU runs, one a line
      harness ISA gemv TYPE M N K THREADS W X Y
+     harness ISA gemv_q8 TYPE M N K THREADS W X Y      (the products with int8 inputs)
      harness ISA dequant TYPE N K W OUT
      harness ISA attend CACHE B HQ HKV D C SCALE Q KC VC SLOTS LENS OUT
      harness ISA rope_write CACHE M HQ HKV D CACHE_SLOTS QKV COS SIN SLOTS KC VC QKV' KC' VC'
@@ -26,6 +27,8 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
 #define DECLARE(isa)                                                                               \
     int64_t pc_gemv_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,      \
                           float *, int64_t, int64_t, int64_t);                                     \
+    int64_t pc_gemv_q8_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,   \
+                             float *, int64_t, int64_t, int64_t);                                  \
     int64_t pc_dequant_##isa(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *, \
                              int64_t, int64_t);                                                    \
     int64_t pc_attend_##isa(const pc_attention *, int64_t, int64_t, int64_t);                      \
@@ -39,6 +42,7 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
 typedef struct {
     const char *name;
     pc_kernels kernels;
+    pc_gemv_fn gemv_q8;
     int64_t (*dequant)(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *,
                        int64_t, int64_t);
     int64_t (*sample)(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,
@@ -48,6 +52,7 @@ typedef struct {
 #define VERSION(isa)                                                                               \
     {#isa,                                                                                         \
      {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa},  \
+     pc_gemv_q8_##isa,                                                                             \
      pc_dequant_##isa,                                                                             \
      pc_sample_##isa}
 
@@ -137,7 +142,7 @@ int main(int argc, char **argv) {
     const char *op = argv[2];
     char **a = argv + 3;
     const int n = argc - 3;
-    if (strcmp(op, "gemv") == 0 && n == 8) {
+    if ((strcmp(op, "gemv") == 0 || strcmp(op, "gemv_q8") == 0) && n == 8) {
         const int64_t type = num(a[0]), m = num(a[1]), rows = num(a[2]), k = num(a[3]);
         const int64_t row_bytes = k / pc_block_elements(type) * pc_block_bytes(type);
         const uint8_t *w = load(a[5], NULL);
@@ -145,7 +150,10 @@ int main(int argc, char **argv) {
         float *y = take(sizeof(float) * (size_t)(m * rows));
         const pc_projection p = {
             .part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows, .k = k};
-        if (pc_gemv_threads(&v->kernels, &p, x, m, y, num(a[4])))
+        pc_kernels kernels = v->kernels;
+        if (strcmp(op, "gemv_q8") == 0)
+            kernels.gemv = v->gemv_q8;
+        if (pc_gemv_threads(&kernels, &p, x, m, y, num(a[4])))
             return finish(1);
         save(a[7], y, sizeof(float) * (size_t)(m * rows));
         return finish(0);

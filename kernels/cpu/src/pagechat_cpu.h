@@ -107,6 +107,22 @@ typedef struct {
     int64_t cache_blocks, block_size, cache_type; /* the KV pool's, every layer's alike */
 } pc_decoder_shape;
 
+/* Int8 input rows (products_q8.c): a row of k inputs (k a multiple of 32) as
+   pc_q8_row_bytes(k) bytes: k int8 values q, then a float scale d per 32 (x ~ d q), then per
+   32 the float d * (the sum of their q), then the same per 16. */
+static inline int64_t pc_q8_row_bytes(int64_t k) {
+    return k + k / 32 * 4 * 2 + k / 16 * 4;
+}
+static inline const float *pc_q8_scales(const uint8_t *row, int64_t k) {
+    return (const float *)(row + k);
+}
+static inline const float *pc_q8_sums32(const uint8_t *row, int64_t k) {
+    return (const float *)(row + k + k / 8);
+}
+static inline const float *pc_q8_sums16(const uint8_t *row, int64_t k) {
+    return (const float *)(row + k + k / 4);
+}
+
 /* Elements per block and bytes per block of a weight type; 0 for a type not served. */
 static inline int64_t pc_block_elements(int64_t type) {
     switch (type) {

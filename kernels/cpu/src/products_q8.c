@@ -1,0 +1,238 @@
+/* GGUF weight blocks times int8 inputs: the products of `--matmul-inputs int8`.
+
+   The input rows are quantized once a call, 32 elements at a time as ggml's Q8_0 quantizes
+   them (x ~ d q, d = max |x| / 127, q rounded to the nearest integer): a scale per 32 inputs
+   kept the bundled model's perplexity within 0.2% of fp32 inputs where one per 64 cost 0.3%
+   and one per 256 (ggml's Q8_K) 1.3% (docs/perf.md, "int8 inputs"). Each weight is taken as
+   its block stores it, w = a u + b (weights_q8.h), so a product is
+
+       sum over each 32: a d_x sum(u q)  +  sum over each 32 (Q6_K 16): b (d_x sum q)
+
+   with sum(u q) exact in int32 (int8.h) and the rest fp32.
+
+   NOTE: one output's terms are always taken in one order, the canonical order, on every path
+   and row count: chunk by chunk of eight sub-blocks, lane l of eight fp32 accumulators takes
+   sub-block l's exact integer total times a d_x (one fp32 product), then the chunk's offsets
+   (per 32: lane l takes b d_x sum(q) of sub-block l; per 16: groups l, then l + 8); a row's
+   last, part chunk adds 0 * 0 in its missing lanes and its offsets one by one into a tail;
+   the output is the eight lanes summed pairwise as v8_sum sums them, plus the tail. This
+   file takes one to four input rows a row at a time, straight from the blocks; tiles_q8.c
+   takes more, the rows side by side in vector lanes. So a row's output is the same bits
+   whatever else the call holds (batch-invariant), in every version. */
+#include <stdlib.h>
+
+#include "pagechat_cpu.h"
+#include "simd.h"
+
+#include "blocks.h"
+#include "int8.h"
+#include "weights_q8.h"
+/* ---- the inputs ------------------------------------------------------------------------ */
+
+/* Rows x [m, k] (k a multiple of 32) as int8 rows (pagechat_cpu.h's q8 layout). Every version
+   computes the same values: each step is one IEEE operation on one element. A block of 32
+   with an infinite or NaN input gets the scale NaN, so its outputs are NaN, as fp32's are. */
+void PC_FN(quantize_q8)(const float *x, int64_t m, int64_t k, uint8_t *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        uint8_t *row = out + r * pc_q8_row_bytes(k);
+        int8_t *q = (int8_t *)row;
+        float *scales = (float *)pc_q8_scales(row, k), *sums32 = (float *)pc_q8_sums32(row, k);
+        float *sums16 = (float *)pc_q8_sums16(row, k);
+        for (int64_t g = 0; g < k / 32; g++) {
+            const float *v = xr + 32 * g;
+            float amax = 0.0f;
+            int finite = 1;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(v[i]);
+                finite &= a <= 3.4028235e38f; /* false for infinities and NaN */
+                amax = a > amax ? a : amax;
+            }
+            const float d = finite ? amax / 127.0f : __builtin_nanf("");
+            const float inv = finite && amax > 0.0f ? 1.0f / d : 0.0f;
+            int32_t halves[2] = {0, 0};
+            for (int i = 0; i < 32; i++) {
+                /* round to nearest even by adding and taking away 1.5 * 2^23 (|v inv| <= 127.01) */
+                const float rounded = finite ? (v[i] * inv + 0x1.8p23f) - 0x1.8p23f : 0.0f;
+                const int32_t n = (int32_t)rounded;
+                q[32 * g + i] = (int8_t)n;
+                halves[i / 16] += n;
+            }
+            scales[g] = d;
+            sums32[g] = d * (float)(halves[0] + halves[1]);
+            sums16[2 * g] = d * (float)halves[0];
+            sums16[2 * g + 1] = d * (float)halves[1];
+        }
+    }
+}
+
+/* ---- one to four input rows, read from the blocks as stored ------------------------------ */
+/* How many weight rows ahead the products prefetch (quants.c says why), every cache line of
+   the part of the row a chunk reads (a chunk of Q8_0 spans five lines, of Q6_K four). */
+#define PREFETCH_ROWS 16
+
+static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64)
+        __builtin_prefetch(p + at);
+    __builtin_prefetch(p + bytes - 1);
+}
+
+/* a chunk's a d_x for one input row (`dx` its scales from the chunk's first sub-block);
+   lanes past n zero */
+static inline __attribute__((always_inline)) v8 chunk_products(v8 a, const float *dx, int64_t n) {
+    if (n == CHUNK)
+        return v8_mul(a, v8_load(dx));
+    float lanes[CHUNK], s[CHUNK];
+    v8_store(lanes, a);
+    for (int64_t i = 0; i < CHUNK; i++)
+        s[i] = i < n ? lanes[i] * dx[i] : 0.0f;
+    return v8_load(s);
+}
+
+/* the offsets of a chunk of n sub-blocks against one input row (`row`, from sub-block
+   `first`), in the canonical order */
+static inline __attribute__((always_inline)) void chunk_offsets(const v8 b[2], const uint8_t *row,
+                                                                int64_t k, int64_t first, int64_t n,
+                                                                v8 *acc, float *tail,
+                                                                const int offsets) {
+    if (offsets == OFFSETS_16) { /* Q6_K: always whole chunks */
+        const float *sums = pc_q8_sums16(row, k) + 2 * first;
+        *acc = v8_fma(b[0], v8_load(sums), *acc);
+        *acc = v8_fma(b[1], v8_load(sums + 8), *acc);
+    } else if (offsets == OFFSETS_32) {
+        const float *sums = pc_q8_sums32(row, k) + first;
+        if (n == CHUNK) {
+            *acc = v8_fma(b[0], v8_load(sums), *acc);
+        } else {
+            float lanes[CHUNK];
+            v8_store(lanes, b[0]);
+            for (int64_t i = 0; i < n; i++)
+                *tail += lanes[i] * sums[i];
+        }
+    }
+}
+
+/* the exact integer total of each of a chunk's sub-blocks (none past n) against one input
+   row's chunk (`x`, its first sub-block's int8 values), from their integers `u` */
+static inline __attribute__((always_inline)) v8i chunk_totals(const q32 u[CHUNK],
+                                                              const int16_t sc[2 * CHUNK],
+                                                              const uint8_t *x, int64_t n,
+                                                              const int kind) {
+    v8i p[CHUNK];
+    for (int i = 0; i < CHUNK; i++) {
+        const q32 xq = q_load(x + 32 * (i < n ? i : 0));
+        const v8i dot = kind == DOT_S        ? dot_s(u[i], xq)
+                        : kind == DOT_SCALED ? dot_u_scaled(u[i], xq, sc[2 * i], sc[2 * i + 1])
+                                             : dot_u(u[i], xq);
+        p[i] = i < n ? dot : v8i_zero();
+    }
+    return v8i_totals(p);
+}
+
+/* For each type T (SUBS sub-blocks of 32 in a block of BYTES, its integer product KIND and
+   its OFFSETS): one weight row from `row` against R <= 4 input rows, in the canonical order:
+   each chunk's integers unpacked once, then taken against every input row. */
+#define DEFINE_ROW(T, SUBS, BYTES, KIND, OFFSETS)                                                  \
+    static void row_##T(const uint8_t *row, int64_t row_bytes, const uint8_t *x, int64_t k,        \
+                        float *y, int64_t ldy, int64_t R) {                                        \
+        const int64_t subs = k / 32, ldx = pc_q8_row_bytes(k);                                     \
+        v8 acc[4];                                                                                 \
+        float tail[4];                                                                             \
+        for (int64_t r = 0; r < R; r++)                                                            \
+            acc[r] = v8_zero(), tail[r] = 0.0f;                                                    \
+        for (int64_t first = 0; first < subs; first += CHUNK) {                                    \
+            const int64_t n = subs - first < CHUNK ? subs - first : CHUNK;                         \
+            prefetch_span(row + PREFETCH_ROWS * row_bytes + first / SUBS * BYTES,                  \
+                          (n + SUBS - 1) / SUBS * BYTES);                                          \
+            const chunk_scales c = chunk_##T(row, first, n);                                       \
+            /* a K type's chunk is one block; the others' eight blocks of one sub-block */         \
+            const uint8_t *base = row + first / SUBS * BYTES;                                      \
+            q32 u[CHUNK];                                                                          \
+            int16_t sc[2 * CHUNK];                                                                 \
+            for (int i = 0; i < CHUNK; i++) {                                                      \
+                const int at = i < n ? i : 0;                                                      \
+                const uint8_t *block = base + (SUBS == 1 ? at * BYTES : 0);                        \
+                u[i] = ints_##T(block, SUBS == 1 ? 0 : at);                                        \
+                for (int h = 0; KIND == DOT_SCALED && h < 2; h++)                                  \
+                    sc[2 * i + h] = q6_scale(block, 2 * at + h);                                   \
+            }                                                                                      \
+            for (int64_t r = 0; r < R; r++) {                                                      \
+                const uint8_t *xr = x + r * ldx;                                                   \
+                const v8i totals = n == CHUNK ? chunk_totals(u, sc, xr + 32 * first, CHUNK, KIND)  \
+                                              : chunk_totals(u, sc, xr + 32 * first, n, KIND);     \
+                const v8 s = chunk_products(c.a, pc_q8_scales(xr, k) + first, n);                  \
+                acc[r] = v8_fma_ints(totals, s, acc[r]);                                           \
+                chunk_offsets(c.b, xr, k, first, n, &acc[r], &tail[r], OFFSETS);                   \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t r = 0; r < R; r++)                                                            \
+            y[r * ldy] = v8_sum(acc[r]) + tail[r];                                                 \
+    }                                                                                              \
+    static void few_##T(const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t m,          \
+                        int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {        \
+        for (int64_t j = n_begin; j < n_end; j++)                                                  \
+            row_##T(w + j * row_bytes, row_bytes, x, k, y + j, ldy, m);                            \
+    }
+
+DEFINE_ROW(q4_0, 1, 18, DOT_U, OFFSETS_32)
+DEFINE_ROW(q4_1, 1, 20, DOT_U, OFFSETS_32)
+DEFINE_ROW(q5_0, 1, 22, DOT_U, OFFSETS_32)
+DEFINE_ROW(q8_0, 1, 34, DOT_S, OFFSETS_NONE)
+DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
+DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
+DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
+
+/* The many rows' products (tiles_q8.c). */
+int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *xq,
+                        int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                        int64_t n_end);
+
+/* Input rows a product takes in one pass over the weights (quants.c's INPUT_BYTES: those
+   rows stay in L2 while each weight row streams past them). */
+#define INPUT_BYTES (1 << 20)
+#define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
+
+/* ---- entry point ----------------------------------------------------------------------- */
+
+/* y[r * ldy + j] = sum_c x[r * k + c] w[j, c] over int8 inputs: pc_gemv's interface and
+   shapes, the inputs quantized here (one pass, into a buffer of the call's own). Returns
+   PC_OK, or PC_NO_MEMORY with nothing written. */
+int64_t PC_FN(gemv_q8)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
+                       int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+    if (m < 1 || n_begin >= n_end)
+        return PC_OK;
+    /* inputs past INPUT_BYTES: blocks of rows, each a product of its own */
+    const int64_t ldx = pc_q8_row_bytes(k);
+    if (m > FEW_ROWS && m * ldx > INPUT_BYTES) {
+        const int64_t blocks = (m * ldx + INPUT_BYTES - 1) / INPUT_BYTES;
+        const int64_t block = (m + blocks - 1) / blocks;
+        for (int64_t r = 0; r < m; r += block) {
+            const int64_t rows = m - r < block ? m - r : block;
+            const int64_t status = PC_FN(gemv_q8)(type, w, row_bytes, x + r * k, rows, k,
+                                                  y + r * ldy, ldy, n_begin, n_end);
+            if (status != PC_OK)
+                return status;
+        }
+        return PC_OK;
+    }
+    uint8_t *xq = malloc((size_t)(m * ldx));
+    if (xq == NULL)
+        return PC_NO_MEMORY;
+    PC_FN(quantize_q8)(x, m, k, xq);
+    int64_t status = PC_OK;
+    if (m > FEW_ROWS)
+        status = PC_FN(q8_tiles)(type, w, row_bytes, xq, m, k, y, ldy, n_begin, n_end);
+    else
+        switch (type) {
+        case PC_Q4_0: few_q4_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q4_1: few_q4_1(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q5_0: few_q5_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q8_0: few_q8_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q4_K: few_q4_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q5_K: few_q5_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        case PC_Q6_K: few_q6_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
+        default: status = PC_BAD_SHAPE; break;
+        }
+    free(xq);
+    return status;
+}

@@ -1,0 +1,321 @@
+/* The int8 products of many input rows (prompts, large batches): weight rows laid out once,
+   input rows side by side in the lanes of a vector.
+
+   A vector holds VR input rows (16 with AVX512, 8 with AVX2 and the generic version, 4 with
+   NEON), four int8 inputs of each to a lane: one instruction (VNNI's dpbusd, NEON's sdot,
+   AVX2's maddubs and madd) adds four weights' products to every row at once, the weights'
+   four bytes broadcast. So each sub-block of 32 costs eight such instructions for VR rows,
+   and its float work (the total times a d_x, the offsets) is done once for all VR rows, where
+   a row at a time pays it per row and sub-block.
+
+   Each row's output is the same bits as products_q8.c's for that row: the same exact integer
+   total per sub-block, then per lane of eight the same fp32 operations in the same order
+   (`canonical order` there), here done with the rows in the lanes instead. */
+#include <stdlib.h>
+
+#include "pagechat_cpu.h"
+#include "simd.h"
+
+#include "blocks.h"
+#include "int8.h"
+#include "weights_q8.h"
+
+/* ---- the inputs, side by side ------------------------------------------------------------- */
+/* VR input rows as the tiles read them (rows past m zero): for each group of four inputs,
+   VR int32 (the four bytes of each row); for each sub-block of 32, VR scales d_x, VR sums
+   d_x sum(q) and VR integer sums of q (Q8_0 on VNNI); for each 16, VR sums d_x sum(q). */
+typedef struct {
+    int32_t *groups; /* [k / 4][VR] */
+    float *scales;   /* [k / 32][VR] */
+    float *sums32;   /* [k / 32][VR] */
+    int32_t *qsums;  /* [k / 32][VR] */
+    float *sums16;   /* [k / 16][VR] */
+} side_by_side;
+
+static int64_t side_by_side_bytes(int64_t k) {
+    return VR * (k + k / 32 * 12 + k / 16 * 4);
+}
+
+static side_by_side side_by_side_at(uint8_t *at, int64_t k) {
+    const side_by_side t = {(int32_t *)at, (float *)(at + VR * k), (float *)(at + VR * (k + k / 8)),
+                            (int32_t *)(at + VR * (k + k / 4)),
+                            (float *)(at + VR * (k + k / 32 * 12))};
+    return t;
+}
+
+/* input rows [r0, r0 + VR) of xq (m rows of pc_q8_row_bytes(k)) side by side into t */
+static void put_side_by_side(const uint8_t *xq, int64_t m, int64_t k, int64_t r0, side_by_side t) {
+    const int64_t ldx = pc_q8_row_bytes(k);
+    for (int64_t l = 0; l < VR; l++) {
+        const int64_t r = r0 + l;
+        const uint8_t *row = r < m ? xq + r * ldx : NULL;
+        for (int64_t g = 0; g < k / 4; g++) {
+            int32_t v = 0;
+            if (row)
+                memcpy(&v, row + 4 * g, 4);
+            t.groups[g * VR + l] = v;
+        }
+        for (int64_t s = 0; s < k / 32; s++) {
+            int32_t total = 0;
+            for (int e = 0; row && e < 32; e++)
+                total += ((const int8_t *)row)[32 * s + e];
+            t.scales[s * VR + l] = row ? pc_q8_scales(row, k)[s] : 0.0f;
+            t.sums32[s * VR + l] = row ? pc_q8_sums32(row, k)[s] : 0.0f;
+            t.qsums[s * VR + l] = total;
+        }
+        for (int64_t h = 0; h < k / 16; h++)
+            t.sums16[h * VR + l] = row ? pc_q8_sums16(row, k)[h] : 0.0f;
+    }
+}
+
+/* ---- the weights, laid out ---------------------------------------------------------------- */
+/* A weight row chunk by chunk (CHUNK sub-blocks, the last one padded): its integers (32 bytes
+   a sub-block), then each chunk's a (8 floats), b (16: per 32 in the first 8, or per 16) and
+   Q6_K's scales per 16 (16 int16). */
+#define LAID_OUT_CHUNK_BYTES (CHUNK * 32 + CHUNK * 4 + 2 * CHUNK * 4 + 2 * CHUNK * 2)
+
+typedef struct {
+    const uint8_t *ints;
+    const float *a, *b;
+    const int16_t *sc;
+} laid_out;
+
+static inline laid_out laid_out_at(const uint8_t *at, int64_t subs) {
+    const int64_t chunks = (subs + CHUNK - 1) / CHUNK;
+    const uint8_t *a = at + chunks * CHUNK * 32;
+    const laid_out l = {at, (const float *)a, (const float *)(a + chunks * CHUNK * 4),
+                        (const int16_t *)(a + chunks * CHUNK * 12)};
+    return l;
+}
+
+/* How many weight rows ahead the lay-out prefetches (quants.c says why). */
+#define PREFETCH_ROWS 16
+
+#define DEFINE_LAY_OUT(T, SUBS, BYTES, KIND)                                                       \
+    static void lay_out_##T(const uint8_t *row, int64_t row_bytes, int64_t subs, uint8_t *out) {   \
+        const int64_t chunks = (subs + CHUNK - 1) / CHUNK;                                         \
+        uint8_t *ints = out;                                                                       \
+        float *a = (float *)(out + chunks * CHUNK * 32), *b = a + chunks * CHUNK;                  \
+        int16_t *sc = (int16_t *)(b + 2 * chunks * CHUNK);                                         \
+        for (int64_t first = 0; first < subs; first += CHUNK) {                                    \
+            const int64_t n = subs - first < CHUNK ? subs - first : CHUNK;                         \
+            const uint8_t *ahead = row + PREFETCH_ROWS * row_bytes + first / SUBS * BYTES;         \
+            for (int64_t at = 0; at < (n + SUBS - 1) / SUBS * BYTES; at += 64)                     \
+                __builtin_prefetch(ahead + at);                                                    \
+            const chunk_scales c = chunk_##T(row, first, n);                                       \
+            v8_store(a + first, c.a);                                                              \
+            v8_store(b + 2 * first, c.b[0]);                                                       \
+            v8_store(b + 2 * first + 8, c.b[1]);                                                   \
+            for (int64_t s = first; s < first + n; s++) {                                          \
+                const uint8_t *block = row + s / SUBS * BYTES;                                     \
+                q_store(ints + 32 * s, ints_##T(block, (int)(s % SUBS)));                          \
+                if (KIND == DOT_SCALED)                                                            \
+                    for (int h = 0; h < 2; h++)                                                    \
+                        sc[2 * s + h] = q6_scale(block, 2 * (s % SUBS) + h);                       \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+DEFINE_LAY_OUT(q4_0, 1, 18, DOT_U)
+DEFINE_LAY_OUT(q4_1, 1, 20, DOT_U)
+DEFINE_LAY_OUT(q5_0, 1, 22, DOT_U)
+DEFINE_LAY_OUT(q8_0, 1, 34, DOT_S)
+DEFINE_LAY_OUT(q4_k, 8, 144, DOT_U)
+DEFINE_LAY_OUT(q5_k, 8, 176, DOT_U)
+DEFINE_LAY_OUT(q6_k, 8, 210, DOT_SCALED)
+
+typedef void (*lay_out_fn)(const uint8_t *row, int64_t row_bytes, int64_t subs, uint8_t *out);
+
+/* ---- the tiles ---------------------------------------------------------------------------- */
+/* Weight rows laid out together (TJ): each reads the same input vectors, so the more the
+   fewer times the inputs stream from L2 (AVX512's four: 284-297 GFLOP/s a thread where two
+   gave 231-263, docs/perf.md); each takes 8 accumulators of VR lanes, more than the
+   registers hold at four, and four chains of integer sums. */
+#if defined(PC_ISA_AVX512)
+#define TJ 4
+#elif defined(PC_ISA_AVX2)
+#define TJ 1 /* AVX2's 16 ymm: two rows' 16 accumulators spill, and were slower */
+#else
+#define TJ 2
+#endif
+
+static inline uint32_t four_bytes(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* sub-block s's exact integer total for J weight rows against VR input rows. Each row's sum
+   runs in four chains, two per half of 16 (groups 0 and 2, 1 and 3, 4 and 6, 5 and 7: Q6_K
+   scales each half), added at the end: one chain of eight dependent dot instructions would
+   wait on their latency. */
+#define PARTS 4
+
+static inline
+    __attribute__((always_inline)) void sub_totals(const laid_out *w, side_by_side x, int64_t s,
+                                                   vr p[TJ], const int J, const int kind) {
+    vr part[TJ][PARTS];
+    for (int j = 0; j < J; j++)
+        for (int i = 0; i < PARTS; i++)
+            part[j][i] = vr_zero();
+    for (int g = 0; g < 8; g++) {
+        const vr xv = vr_load(x.groups + (8 * s + g) * VR);
+        for (int j = 0; j < J; j++) {
+            const uint32_t u4 = four_bytes(w[j].ints + 32 * s + 4 * g);
+            vr *acc = &part[j][g % 2 + 2 * (g / 4)];
+#if defined(PC_ISA_VNNI)
+            /* signed weights plus 128 as unsigned bytes; 128 sum(q) taken away below */
+            *acc = kind == DOT_S ? vr_dot_u(*acc, u4 ^ 0x80808080u, xv) : vr_dot_u(*acc, u4, xv);
+#else
+            *acc = kind == DOT_S ? vr_dot_s(*acc, u4, xv) : vr_dot_u(*acc, u4, xv);
+#endif
+        }
+    }
+    for (int j = 0; j < J; j++) {
+        const vr low = vr_add(part[j][0], part[j][1]), high = vr_add(part[j][2], part[j][3]);
+        p[j] = kind == DOT_SCALED
+                   ? vr_add(vr_scale(low, w[j].sc[2 * s]), vr_scale(high, w[j].sc[2 * s + 1]))
+                   : vr_add(low, high);
+    }
+#if defined(PC_ISA_VNNI)
+    if (kind == DOT_S) {
+        const vr bias = vr_scale(vr_load(x.qsums + s * VR), 128);
+        for (int j = 0; j < J; j++)
+            p[j] = vr_sub(p[j], bias);
+    }
+#endif
+}
+
+/* J laid-out weight rows against the VR rows of x: y[l * ldy + j] for rows l < rows */
+static inline __attribute__((always_inline)) void tile(const laid_out *w, side_by_side x, int64_t k,
+                                                       float *y, int64_t ldy, int64_t rows,
+                                                       const int J, const int kind,
+                                                       const int offsets) {
+    const int64_t subs = k / 32;
+    vrf acc[TJ][CHUNK], tail[TJ];
+    for (int j = 0; j < J; j++) {
+        tail[j] = vrf_zero();
+        for (int l = 0; l < CHUNK; l++)
+            acc[j][l] = vrf_zero();
+    }
+    for (int64_t first = 0; first < subs; first += CHUNK) {
+        const int64_t n = subs - first < CHUNK ? subs - first : CHUNK;
+#pragma GCC unroll 8
+        for (int l = 0; l < CHUNK; l++) {
+            if (l >= n) { /* as products_q8.c: a part chunk's missing lanes add 0 * 0 */
+                for (int j = 0; j < J; j++)
+                    acc[j][l] = vrf_fma(vrf_zero(), vrf_zero(), acc[j][l]);
+                continue;
+            }
+            const int64_t s = first + l;
+            vr p[TJ];
+            sub_totals(w, x, s, p, J, kind);
+            const vrf dx = vrf_load(x.scales + s * VR);
+            for (int j = 0; j < J; j++)
+                acc[j][l] = vrf_fma(vrf_from(p[j]), vrf_mul(vrf_set1(w[j].a[s]), dx), acc[j][l]);
+        }
+        for (int j = 0; j < J; j++) {
+            const float *b = w[j].b + 2 * first;
+            if (offsets == OFFSETS_16) {
+#pragma GCC unroll 8
+                for (int l = 0; l < CHUNK; l++) {
+                    const float *sums = x.sums16 + 2 * first * VR;
+                    acc[j][l] = vrf_fma(vrf_set1(b[l]), vrf_load(sums + l * VR), acc[j][l]);
+                    acc[j][l] =
+                        vrf_fma(vrf_set1(b[l + 8]), vrf_load(sums + (l + 8) * VR), acc[j][l]);
+                }
+            } else if (offsets == OFFSETS_32 && n == CHUNK) {
+#pragma GCC unroll 8
+                for (int l = 0; l < CHUNK; l++)
+                    acc[j][l] =
+                        vrf_fma(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR), acc[j][l]);
+            } else if (offsets == OFFSETS_32) {
+                for (int64_t l = 0; l < n; l++)
+                    tail[j] = vrf_add(
+                        tail[j], vrf_mul(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR)));
+            }
+        }
+    }
+    for (int j = 0; j < J; j++) {
+        /* v8_sum's tree: lanes l and l + 4, then those two apart, then the last two */
+        const vrf t0 = vrf_add(acc[j][0], acc[j][4]), t1 = vrf_add(acc[j][1], acc[j][5]);
+        const vrf t2 = vrf_add(acc[j][2], acc[j][6]), t3 = vrf_add(acc[j][3], acc[j][7]);
+        const vrf total = vrf_add(vrf_add(vrf_add(t0, t2), vrf_add(t1, t3)), tail[j]);
+        float lanes[VR];
+        vrf_store(lanes, total);
+        for (int64_t l = 0; l < rows; l++)
+            y[l * ldy + j] = lanes[l];
+    }
+}
+
+/* The weight rows' integer product and offsets (weights_q8.h), as one number: the types
+   that share both share a tile (five types share DOT_U with offsets per 32). */
+enum { TILE_U32, TILE_S, TILE_SCALED16 };
+
+/* J laid-out weight rows (TJ, or fewer one at a time) against the VR rows of x */
+static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y, int64_t ldy,
+                      int64_t rows_here, int J, int form) {
+    for (int i = 0; J < TJ && i < J; i++) {
+        const laid_out *w = rows + i;
+        switch (form) {
+        case TILE_U32: tile(w, x, k, y + i, ldy, rows_here, 1, DOT_U, OFFSETS_32); break;
+        case TILE_S: tile(w, x, k, y + i, ldy, rows_here, 1, DOT_S, OFFSETS_NONE); break;
+        default: tile(w, x, k, y + i, ldy, rows_here, 1, DOT_SCALED, OFFSETS_16); break;
+        }
+    }
+    if (J < TJ)
+        return;
+    switch (form) {
+    case TILE_U32: tile(rows, x, k, y, ldy, rows_here, TJ, DOT_U, OFFSETS_32); break;
+    case TILE_S: tile(rows, x, k, y, ldy, rows_here, TJ, DOT_S, OFFSETS_NONE); break;
+    default: tile(rows, x, k, y, ldy, rows_here, TJ, DOT_SCALED, OFFSETS_16); break;
+    }
+}
+
+static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
+                     const uint8_t *xq, int64_t m, int64_t k, float *y, int64_t ldy,
+                     int64_t n_begin, int64_t n_end) {
+    const int64_t subs = k / 32, blocks = (m + VR - 1) / VR;
+    const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
+    const int64_t block_bytes = side_by_side_bytes(k);
+    uint8_t *buf = malloc((size_t)(TJ * stride + blocks * block_bytes));
+    if (buf == NULL)
+        return PC_NO_MEMORY;
+    uint8_t *inputs = buf + TJ * stride;
+    for (int64_t b = 0; b < blocks; b++)
+        put_side_by_side(xq, m, k, b * VR, side_by_side_at(inputs + b * block_bytes, k));
+    for (int64_t j = n_begin; j < n_end; j += TJ) {
+        const int J = n_end - j < TJ ? (int)(n_end - j) : TJ;
+        laid_out rows[TJ];
+        for (int i = 0; i < J; i++) {
+            lay_out(w + (j + i) * row_bytes, row_bytes, subs, buf + i * stride);
+            rows[i] = laid_out_at(buf + i * stride, subs);
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t r0 = b * VR, rows_here = m - r0 < VR ? m - r0 : VR;
+            tile_rows(rows, side_by_side_at(inputs + b * block_bytes, k), k, y + r0 * ldy + j, ldy,
+                      rows_here, J, form);
+        }
+    }
+    free(buf);
+    return PC_OK;
+}
+
+/* y[r * ldy + j] for weight rows [n_begin, n_end) of `type` against m int8 input rows xq
+   (pagechat_cpu.h's layout): PC_OK, PC_NO_MEMORY (nothing written) or PC_BAD_SHAPE. */
+int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *xq,
+                        int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                        int64_t n_end) {
+#define TILES(T, FORM) tiles(lay_out_##T, FORM, w, row_bytes, xq, m, k, y, ldy, n_begin, n_end)
+    switch (type) {
+    case PC_Q4_0: return TILES(q4_0, TILE_U32);
+    case PC_Q4_1: return TILES(q4_1, TILE_U32);
+    case PC_Q5_0: return TILES(q5_0, TILE_U32);
+    case PC_Q8_0: return TILES(q8_0, TILE_S);
+    case PC_Q4_K: return TILES(q4_k, TILE_U32);
+    case PC_Q5_K: return TILES(q5_k, TILE_U32);
+    case PC_Q6_K: return TILES(q6_k, TILE_SCALED16);
+    default: return PC_BAD_SHAPE;
+    }
+#undef TILES
+}
