@@ -44,10 +44,16 @@ KERNELS = (
 MATMUL_INPUTS = ("fp32", "int8")
 
 
+# The int8 products' entry points in pc_kernels after the first five (NULL with fp32 inputs):
+# one version for all three, gemv_q8's (an input prepared by one version is read by its own).
+INT8_ENTRIES = ("q8_prepared_bytes", "q8_prepare", "gemv_q8_prepared")
+_TABLE_FIELDS = ("prepared_bytes", "prepare", "gemv_prepared")
+
+
 class CKernels(ctypes.Structure):
     """pc_kernels: the table of chosen versions stack.c calls through."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in KERNELS[:5]]
+    _fields_ = [(name, ctypes.c_void_p) for name in (*KERNELS[:5], *_TABLE_FIELDS)]
 
 
 def names() -> tuple[str, ...]:
@@ -81,6 +87,11 @@ class KernelSet:
     def table(self) -> CKernels:
         if not self._table:
             addresses = {k: ctypes.cast(self.fn(k), ctypes.c_void_p).value for k in KERNELS[:5]}
+            if self.matmul_inputs == "int8":
+                isa = self.chosen["gemv_q8"]
+                for field_name, entry in zip(_TABLE_FIELDS, INT8_ENTRIES, strict=True):
+                    fn = getattr(self.lib, f"pc_{entry}_{isa}")
+                    addresses[field_name] = ctypes.cast(fn, ctypes.c_void_p).value
             self._table.append(CKernels(**addresses))
         return self._table[0]
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType, random_blocks
+from service.engine import quant
 from service.engine.families.llama import unpermute_rope
 from service.engine.loader import (
     LoadedModel,
@@ -26,7 +27,6 @@ from service.engine.loader import (
     open_gguf,
 )
 from service.engine.model import ModelArgs
-from service.engine import quant
 from service.engine.quant import QuantLinear
 from tests.engine.greedy import NEAR_TIE
 from tests.tiny_model import ContiguousAttention, greedy_generate, make_tiny_llama

@@ -29,6 +29,10 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
                           float *, int64_t, int64_t, int64_t);                                     \
     int64_t pc_gemv_q8_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,   \
                              float *, int64_t, int64_t, int64_t);                                  \
+    int64_t pc_q8_prepared_bytes_##isa(int64_t, int64_t);                                          \
+    void pc_q8_prepare_##isa(const float *, int64_t, int64_t, uint8_t *);                          \
+    int64_t pc_gemv_q8_prepared_##isa(int64_t, const uint8_t *, int64_t, const uint8_t *, int64_t, \
+                                      int64_t, float *, int64_t, int64_t, int64_t);                \
     int64_t pc_dequant_##isa(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *, \
                              int64_t, int64_t);                                                    \
     int64_t pc_attend_##isa(const pc_attention *, int64_t, int64_t, int64_t);                      \
@@ -42,7 +46,7 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
 typedef struct {
     const char *name;
     pc_kernels kernels;
-    pc_gemv_fn gemv_q8;
+    pc_kernels int8; /* the same with int8 products */
     int64_t (*dequant)(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *,
                        int64_t, int64_t);
     int64_t (*sample)(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,
@@ -52,7 +56,9 @@ typedef struct {
 #define VERSION(isa)                                                                               \
     {#isa,                                                                                         \
      {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa},  \
-     pc_gemv_q8_##isa,                                                                             \
+     {pc_gemv_q8_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa,                   \
+      pc_silu_mul_##isa, pc_q8_prepared_bytes_##isa, pc_q8_prepare_##isa,                          \
+      pc_gemv_q8_prepared_##isa},                                                                  \
      pc_dequant_##isa,                                                                             \
      pc_sample_##isa}
 
@@ -150,10 +156,8 @@ int main(int argc, char **argv) {
         float *y = take(sizeof(float) * (size_t)(m * rows));
         const pc_projection p = {
             .part = {{type, rows, k, row_bytes, w}}, .parts = 1, .n = rows, .k = k};
-        pc_kernels kernels = v->kernels;
-        if (strcmp(op, "gemv_q8") == 0)
-            kernels.gemv = v->gemv_q8;
-        if (pc_gemv_threads(&kernels, &p, x, m, y, num(a[4])))
+        const pc_kernels *kernels = strcmp(op, "gemv_q8") == 0 ? &v->int8 : &v->kernels;
+        if (pc_gemv_threads(kernels, &p, x, m, y, num(a[4])))
             return finish(1);
         save(a[7], y, sizeof(float) * (size_t)(m * rows));
         return finish(0);

@@ -149,6 +149,18 @@ static inline vr vr_dot_u(vr p, uint32_t u4, vr x) {
     return _mm512_add_epi32(p, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
 #endif
 }
+/* vr_dot_u twice: two groups' pair sums added in int16 before they widen (each at most
+   2 * 63 * 127: two fit) */
+static inline vr vr_dot_u2(vr p, uint32_t u4, vr x, uint32_t v4, vr y) {
+#if defined(PC_ISA_VNNI)
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(p, _mm512_set1_epi32((int)u4), x),
+                               _mm512_set1_epi32((int)v4), y);
+#else
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(_mm512_set1_epi32((int)u4), x),
+                                           _mm512_maddubs_epi16(_mm512_set1_epi32((int)v4), y));
+    return _mm512_add_epi32(p, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
 /* signed weights: |w| times x with w's sign (x is never -128) */
 static inline vr vr_dot_s(vr p, uint32_t w4, vr x) {
     const __m512i w = _mm512_set1_epi32((int)w4);
@@ -209,6 +221,16 @@ static inline vr vr_dot_u(vr p, uint32_t u4, vr x) {
     return _mm256_dpbusd_epi32(p, _mm256_set1_epi32((int)u4), x);
 #else
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32((int)u4), x);
+    return _mm256_add_epi32(p, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+static inline vr vr_dot_u2(vr p, uint32_t u4, vr x, uint32_t v4, vr y) {
+#if defined(PC_ISA_VNNI)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p, _mm256_set1_epi32((int)u4), x),
+                               _mm256_set1_epi32((int)v4), y);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)u4), x),
+                                           _mm256_maddubs_epi16(_mm256_set1_epi32((int)v4), y));
     return _mm256_add_epi32(p, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
@@ -376,6 +398,9 @@ static inline vr vr_scale(vr a, int32_t s) {
 }
 static inline vr vr_dot_u(vr p, uint32_t u4, vr x) {
     return vdotq_s32(p, vreinterpretq_s8_u32(vdupq_n_u32(u4)), vreinterpretq_s8_s32(x));
+}
+static inline vr vr_dot_u2(vr p, uint32_t u4, vr x, uint32_t v4, vr y) {
+    return vr_dot_u(vr_dot_u(p, u4, x), v4, y);
 }
 static inline vr vr_dot_s(vr p, uint32_t w4, vr x) {
     return vr_dot_u(p, w4, x); /* sdot multiplies signed by signed */
@@ -566,6 +591,9 @@ static inline vr vr_dot_u(vr p, uint32_t u4, vr x) {
         for (int e = 0; e < 4; e++)
             p.v[i] += (int32_t)((u4 >> (8 * e)) & 0xFF) * (int8_t)((uint32_t)x.v[i] >> (8 * e));
     return p;
+}
+static inline vr vr_dot_u2(vr p, uint32_t u4, vr x, uint32_t v4, vr y) {
+    return vr_dot_u(vr_dot_u(p, u4, x), v4, y);
 }
 static inline vr vr_dot_s(vr p, uint32_t w4, vr x) {
     for (int i = 0; i < VR; i++)

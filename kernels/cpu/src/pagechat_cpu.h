@@ -71,6 +71,13 @@ typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int6
                                  int64_t cache_type);
 typedef void (*pc_silu_mul_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
                                int64_t end);
+/* Products with int8 inputs (products_q8.c): the bytes an input [m, k] takes once prepared,
+   its preparation (once, whatever the threads sharing its products), the products from it. */
+typedef int64_t (*pc_prepared_bytes_fn)(int64_t m, int64_t k);
+typedef void (*pc_prepare_fn)(const float *x, int64_t m, int64_t k, uint8_t *out);
+typedef int64_t (*pc_gemv_prepared_fn)(int64_t type, const uint8_t *w, int64_t row_bytes,
+                                       const uint8_t *prepared, int64_t m, int64_t k, float *y,
+                                       int64_t ldy, int64_t n_begin, int64_t n_end);
 
 typedef struct {
     pc_gemv_fn gemv;
@@ -78,6 +85,11 @@ typedef struct {
     pc_rms_norm_fn rms_norm;
     pc_rope_write_fn rope_write;
     pc_silu_mul_fn silu_mul;
+    /* int8 inputs: the projections' inputs prepared once and their products from them
+       (gemv then unused); NULL, all three, where the products take fp32 inputs */
+    pc_prepared_bytes_fn prepared_bytes;
+    pc_prepare_fn prepare;
+    pc_gemv_prepared_fn gemv_prepared;
 } pc_kernels;
 
 /* A weight: GGUF blocks, n rows of row_bytes. */

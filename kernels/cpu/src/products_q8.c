@@ -31,7 +31,9 @@
 
 /* Rows x [m, k] (k a multiple of 32) as int8 rows (pagechat_cpu.h's q8 layout). Every version
    computes the same values: each step is one IEEE operation on one element. A block of 32
-   with an infinite or NaN input gets the scale NaN, so its outputs are NaN, as fp32's are. */
+   with an infinite or NaN input gets the scale NaN, so its outputs are NaN, as fp32's are.
+   Written for the compiler to vectorize every loop: the largest |x| as the largest of its
+   bits (a non-negative float's bits order as its value does), integer reductions only. */
 void PC_FN(quantize_q8)(const float *x, int64_t m, int64_t k, uint8_t *out) {
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * k;
@@ -40,28 +42,34 @@ void PC_FN(quantize_q8)(const float *x, int64_t m, int64_t k, uint8_t *out) {
         float *scales = (float *)pc_q8_scales(row, k), *sums32 = (float *)pc_q8_sums32(row, k);
         float *sums16 = (float *)pc_q8_sums16(row, k);
         for (int64_t g = 0; g < k / 32; g++) {
+            uint32_t bits[32], peak = 0, special = 0;
+            memcpy(bits, xr + 32 * g, sizeof bits);
+            for (int i = 0; i < 32; i++) {
+                const uint32_t magnitude = bits[i] & 0x7FFFFFFFu;
+                peak = magnitude > peak ? magnitude : peak;
+                special |= (bits[i] & 0x7F800000u) == 0x7F800000u; /* infinity or NaN */
+            }
+            int8_t *qg = q + 32 * g;
+            if (special) {
+                memset(qg, 0, 32);
+                scales[g] = sums32[g] = sums16[2 * g] = sums16[2 * g + 1] = __builtin_nanf("");
+                continue;
+            }
+            const float amax = f32_from_bits(peak), d = amax / 127.0f;
+            const float inv = amax > 0.0f ? 1.0f / d : 0.0f;
             const float *v = xr + 32 * g;
-            float amax = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < 32; i++) {
-                const float a = fabsf(v[i]);
-                finite &= a <= 3.4028235e38f; /* false for infinities and NaN */
-                amax = a > amax ? a : amax;
-            }
-            const float d = finite ? amax / 127.0f : __builtin_nanf("");
-            const float inv = finite && amax > 0.0f ? 1.0f / d : 0.0f;
-            int32_t halves[2] = {0, 0};
-            for (int i = 0; i < 32; i++) {
-                /* round to nearest even by adding and taking away 1.5 * 2^23 (|v inv| <= 127.01) */
-                const float rounded = finite ? (v[i] * inv + 0x1.8p23f) - 0x1.8p23f : 0.0f;
-                const int32_t n = (int32_t)rounded;
-                q[32 * g + i] = (int8_t)n;
-                halves[i / 16] += n;
-            }
+            int32_t n[32];
+            for (int i = 0; i < 32; i++) /* to nearest, ties to even: add, take away 1.5 * 2^23 */
+                n[i] = (int32_t)((v[i] * inv + 0x1.8p23f) - 0x1.8p23f); /* |v inv| <= 127.01 */
+            int32_t low = 0, high = 0;
+            for (int i = 0; i < 16; i++)
+                low += n[i], high += n[16 + i];
+            for (int i = 0; i < 32; i++)
+                qg[i] = (int8_t)n[i];
             scales[g] = d;
-            sums32[g] = d * (float)(halves[0] + halves[1]);
-            sums16[2 * g] = d * (float)halves[0];
-            sums16[2 * g + 1] = d * (float)halves[1];
+            sums32[g] = d * (float)(low + high);
+            sums16[2 * g] = d * (float)low;
+            sums16[2 * g + 1] = d * (float)high;
         }
     }
 }
@@ -182,57 +190,86 @@ DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
 DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
-/* The many rows' products (tiles_q8.c). */
-int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *xq,
+/* The many rows' side by side and their products (tiles_q8.c). */
+int64_t PC_FN(q8_vector_rows)(void);
+int64_t PC_FN(q8_side_by_side_bytes)(int64_t m, int64_t k);
+void PC_FN(q8_side_by_side)(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out);
+int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
                         int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
                         int64_t n_end);
 
-/* Input rows a product takes in one pass over the weights (quants.c's INPUT_BYTES: those
-   rows stay in L2 while each weight row streams past them). */
-#define INPUT_BYTES (1 << 20)
 #define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
 
-/* ---- entry point ----------------------------------------------------------------------- */
+/* Input rows a product of many takes in one pass over the weights: as many as keep their
+   side-by-side layout under INPUT_BYTES, a whole number of vectors of them, so that those
+   rows stay in L2 while each weight row streams past them (as quants.c's). */
+#define INPUT_BYTES (1 << 20)
 
-/* y[r * ldy + j] = sum_c x[r * k + c] w[j, c] over int8 inputs: pc_gemv's interface and
-   shapes, the inputs quantized here (one pass, into a buffer of the call's own). Returns
-   PC_OK, or PC_NO_MEMORY with nothing written. */
-int64_t PC_FN(gemv_q8)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
-                       int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+/* ---- entry points ---------------------------------------------------------------------- */
+
+/* The bytes pc_q8_prepare writes for m rows of k inputs. */
+int64_t PC_FN(q8_prepared_bytes)(int64_t m, int64_t k) {
+    const int64_t rows = m * pc_q8_row_bytes(k);
+    return m > FEW_ROWS ? rows + PC_FN(q8_side_by_side_bytes)(m, k) : rows;
+}
+
+/* Rows x [m, k] as the int8 products take them, into `out` (pc_q8_prepared_bytes): the int8
+   rows, and for more than FEW_ROWS rows their side-by-side layout after them. Done once per
+   input, however many threads then share its products. */
+void PC_FN(q8_prepare)(const float *x, int64_t m, int64_t k, uint8_t *out) {
+    PC_FN(quantize_q8)(x, m, k, out);
+    if (m > FEW_ROWS)
+        PC_FN(q8_side_by_side)(out, m, k, out + m * pc_q8_row_bytes(k));
+}
+
+/* y[r * ldy + j] = sum_c x[r * k + c] w[j, c] for weight rows [n_begin, n_end), from the
+   inputs as pc_q8_prepare laid them out. Returns PC_OK, PC_NO_MEMORY (nothing written) or
+   PC_BAD_SHAPE (a type it does not serve). */
+int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_bytes,
+                                const uint8_t *prepared, int64_t m, int64_t k, float *y,
+                                int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK;
-    /* inputs past INPUT_BYTES: blocks of rows, each a product of its own */
-    const int64_t ldx = pc_q8_row_bytes(k);
-    if (m > FEW_ROWS && m * ldx > INPUT_BYTES) {
-        const int64_t blocks = (m * ldx + INPUT_BYTES - 1) / INPUT_BYTES;
-        const int64_t block = (m + blocks - 1) / blocks;
-        for (int64_t r = 0; r < m; r += block) {
-            const int64_t rows = m - r < block ? m - r : block;
-            const int64_t status = PC_FN(gemv_q8)(type, w, row_bytes, x + r * k, rows, k,
-                                                  y + r * ldy, ldy, n_begin, n_end);
+    if (m > FEW_ROWS) {
+        const uint8_t *inputs = prepared + m * pc_q8_row_bytes(k);
+        const int64_t width = PC_FN(q8_vector_rows)();
+        const int64_t vector_bytes = PC_FN(q8_side_by_side_bytes)(width, k);
+        const int64_t vectors = INPUT_BYTES / vector_bytes > 1 ? INPUT_BYTES / vector_bytes : 1;
+        for (int64_t r = 0; r < m; r += vectors * width) {
+            const int64_t rows = m - r < vectors * width ? m - r : vectors * width;
+            const int64_t status =
+                PC_FN(q8_tiles)(type, w, row_bytes, inputs + r / width * vector_bytes, rows, k,
+                                y + r * ldy, ldy, n_begin, n_end);
             if (status != PC_OK)
                 return status;
         }
         return PC_OK;
     }
-    uint8_t *xq = malloc((size_t)(m * ldx));
-    if (xq == NULL)
+    switch (type) {
+    case PC_Q4_0: few_q4_0(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q4_1: few_q4_1(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q5_0: few_q5_0(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q8_0: few_q8_0(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q4_K: few_q4_k(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q5_K: few_q5_k(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    case PC_Q6_K: few_q6_k(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end); break;
+    default: return PC_BAD_SHAPE;
+    }
+    return PC_OK;
+}
+
+/* pc_gemv's interface and shapes with int8 inputs: the inputs prepared here, into a buffer
+   of the call's own. Returns PC_OK, or PC_NO_MEMORY with nothing written. */
+int64_t PC_FN(gemv_q8)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
+                       int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+    if (m < 1 || n_begin >= n_end)
+        return PC_OK;
+    uint8_t *prepared = malloc((size_t)PC_FN(q8_prepared_bytes)(m, k));
+    if (prepared == NULL)
         return PC_NO_MEMORY;
-    PC_FN(quantize_q8)(x, m, k, xq);
-    int64_t status = PC_OK;
-    if (m > FEW_ROWS)
-        status = PC_FN(q8_tiles)(type, w, row_bytes, xq, m, k, y, ldy, n_begin, n_end);
-    else
-        switch (type) {
-        case PC_Q4_0: few_q4_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q4_1: few_q4_1(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q5_0: few_q5_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q8_0: few_q8_0(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q4_K: few_q4_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q5_K: few_q5_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        case PC_Q6_K: few_q6_k(w, row_bytes, xq, m, k, y, ldy, n_begin, n_end); break;
-        default: status = PC_BAD_SHAPE; break;
-        }
-    free(xq);
+    PC_FN(q8_prepare)(x, m, k, prepared);
+    const int64_t status =
+        PC_FN(gemv_q8_prepared)(type, w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end);
+    free(prepared);
     return status;
 }

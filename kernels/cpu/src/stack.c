@@ -44,21 +44,27 @@ typedef struct {
     int64_t status;              /* PC_OK, or what went wrong while it ran */
     const pc_projection *weight; /* PART_GEMV: y [m, n] = x [m, k] w^T */
     const float *x;
+    const uint8_t *prepared; /* PART_GEMV with int8 inputs: x as kernels->prepare left it */
     int64_t m;
     float *y;
     pc_attention attention;
     int64_t inter; /* PART_SILU_MUL: x is gate_up, y the output */
 } work_part;
 
-/* Rows [begin, end) of a projection: each part's share of them, at its place in y. */
+/* Rows [begin, end) of a projection: each part's share of them, at its place in y, from the
+   inputs as they are or as prepared (int8 inputs). */
 static int64_t project_rows(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                            int64_t m, float *y, int64_t begin, int64_t end) {
+                            const uint8_t *prepared, int64_t m, float *y, int64_t begin,
+                            int64_t end) {
     int64_t offset = 0, status = PC_OK;
     for (int64_t i = 0; i < w->parts && status == PC_OK; i++) {
         const pc_weight *p = &w->part[i];
         const int64_t first = begin > offset ? begin : offset;
         const int64_t last = end < offset + p->n ? end : offset + p->n;
-        if (first < last)
+        if (first < last && prepared)
+            status = kernels->gemv_prepared(p->type, p->data, p->row_bytes, prepared, m, p->k,
+                                            y + offset, w->n, first - offset, last - offset);
+        else if (first < last)
             status = kernels->gemv(p->type, p->data, p->row_bytes, x, m, p->k, y + offset, w->n,
                                    first - offset, last - offset);
         offset += p->n;
@@ -69,7 +75,8 @@ static int64_t project_rows(const pc_kernels *kernels, const pc_projection *w, c
 static void run_part(work_part *p) {
     switch (p->kind) {
     case PART_GEMV:
-        p->status = project_rows(p->kernels, p->weight, p->x, p->m, p->y, p->begin, p->end);
+        p->status =
+            project_rows(p->kernels, p->weight, p->x, p->prepared, p->m, p->y, p->begin, p->end);
         break;
     case PART_ATTENTION_ROWS:
     case PART_ATTENTION_CONTEXT:
@@ -262,16 +269,32 @@ static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s)
 
 #define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
 
-/* One projection of a layer: y = x w^T, split with the helper where `split` is set. */
+/* The bytes the projections' inputs take prepared for int8 products: the most any of inputs
+   of m rows of these sizes takes (0 where the products take fp32 inputs). */
+static int64_t most_prepared_bytes(const pc_kernels *kernels, int64_t m, const int64_t *ks,
+                                   int count) {
+    int64_t most = 0;
+    for (int i = 0; kernels->prepare && i < count; i++) {
+        const int64_t bytes = kernels->prepared_bytes(m, ks[i]);
+        most = bytes > most ? bytes : most;
+    }
+    return most;
+}
+
+/* One projection of a layer: y = x w^T, split with the helper where `split` is set; with
+   int8 products its input prepared first, into `prepared`, on this thread. */
 static int64_t project(const pc_kernels *kernels, const pc_projection *w, const float *x, int64_t m,
-                       float *y, int split, int64_t *matmul_ns) {
+                       float *y, int split, uint8_t *prepared, int64_t *matmul_ns) {
     const int64_t start = matmul_ns ? now_ns() : 0;
+    if (kernels->prepare)
+        kernels->prepare(x, m, w->k, prepared);
     const work_part part = {.kind = PART_GEMV,
                             .kernels = kernels,
                             .begin = 0,
                             .end = w->n,
                             .weight = w,
                             .x = x,
+                            .prepared = kernels->prepare ? prepared : NULL,
                             .m = m,
                             .y = y};
     const int64_t status = run_shared(&part, split, w->n / 2);
@@ -284,10 +307,15 @@ static int64_t project(const pc_kernels *kernels, const pc_projection *w, const 
    thread where `threads` is 2 and the helper is free (the LM head of a step). */
 int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
                         int64_t m, float *y, int64_t threads) {
+    uint8_t *prepared = NULL;
+    if (kernels->prepare && m > 0 &&
+        (prepared = malloc((size_t)most_prepared_bytes(kernels, m, &w->k, 1))) == NULL)
+        return PC_NO_MEMORY;
     const int split = threads > 1 && helper_take();
-    const int64_t status = project(kernels, w, x, m, y, split, NULL);
+    const int64_t status = m > 0 ? project(kernels, w, x, m, y, split, prepared, NULL) : PC_OK;
     if (split)
         helper_release();
+    free(prepared);
     return status;
 }
 
@@ -332,9 +360,14 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     float *work =
         malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + 4 * hq + q_size));
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(m * max_context + m));
-    if (work == NULL || slots == NULL) {
+    /* int8 products: the one buffer each projection's input is prepared into in turn */
+    const int64_t input_sizes[3] = {h, q_size, inter};
+    const int64_t prepared_size = most_prepared_bytes(kernels, m, input_sizes, 3);
+    uint8_t *prepared = prepared_size ? malloc((size_t)prepared_size) : NULL;
+    if (work == NULL || slots == NULL || (prepared_size && prepared == NULL)) {
         free(work);
         free(slots);
+        free(prepared);
         return PC_NO_MEMORY;
     }
     /* each row's context slots from its block table, once a step, read by every layer */
@@ -360,7 +393,8 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     for (int64_t l = 0; l < shape->num_layers; l++) {
         const pc_decoder_layer *layer = layers + l;
         kernels->rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
-        if ((status = project(kernels, &layer->proj[0], normed, m, qkv, split, matmul_ns)))
+        if ((status =
+                 project(kernels, &layer->proj[0], normed, m, qkv, split, prepared, matmul_ns)))
             goto done;
         kernels->rope_write(qkv, m, qkv_size, hq, hkv, d, cos, sin, write_slots, layer->k_cache,
                             layer->v_cache, shape->cache_type);
@@ -418,12 +452,13 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
             if (status)
                 goto done;
         }
-        if ((status = project(kernels, &layer->proj[1], attn, m, proj, split, matmul_ns)))
+        if ((status = project(kernels, &layer->proj[1], attn, m, proj, split, prepared, matmul_ns)))
             goto done;
         for (int64_t i = 0; i < m * h; i++)
             x[i] += proj[i];
         kernels->rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
-        if ((status = project(kernels, &layer->proj[2], normed, m, gate_up, split, matmul_ns)))
+        if ((status =
+                 project(kernels, &layer->proj[2], normed, m, gate_up, split, prepared, matmul_ns)))
             goto done;
         const work_part gated = {.kind = PART_SILU_MUL,
                                  .kernels = kernels,
@@ -433,7 +468,7 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                                  .y = act,
                                  .inter = inter};
         run_shared(&gated, split, m * inter / 2);
-        if ((status = project(kernels, &layer->proj[3], act, m, proj, split, matmul_ns)))
+        if ((status = project(kernels, &layer->proj[3], act, m, proj, split, prepared, matmul_ns)))
             goto done;
         for (int64_t i = 0; i < m * h; i++)
             x[i] += proj[i];
@@ -441,6 +476,7 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
 done:
     if (split)
         helper_release();
+    free(prepared);
     free(slots);
     free(work);
     return status;

@@ -32,8 +32,18 @@ typedef struct {
     float *sums16;   /* [k / 16][VR] */
 } side_by_side;
 
-static int64_t side_by_side_bytes(int64_t k) {
+static int64_t side_by_side_bytes(int64_t k) { /* one vector of VR rows */
     return VR * (k + k / 32 * 12 + k / 16 * 4);
+}
+
+/* Input rows a vector holds side by side. */
+int64_t PC_FN(q8_vector_rows)(void) {
+    return VR;
+}
+
+/* The bytes of m rows of k inputs side by side (whole vectors of VR rows). */
+int64_t PC_FN(q8_side_by_side_bytes)(int64_t m, int64_t k) {
+    return (m + VR - 1) / VR * side_by_side_bytes(k);
 }
 
 static side_by_side side_by_side_at(uint8_t *at, int64_t k) {
@@ -66,6 +76,12 @@ static void put_side_by_side(const uint8_t *xq, int64_t m, int64_t k, int64_t r0
         for (int64_t h = 0; h < k / 16; h++)
             t.sums16[h * VR + l] = row ? pc_q8_sums16(row, k)[h] : 0.0f;
     }
+}
+
+/* The int8 rows xq [m] side by side into `out` (pc_q8_side_by_side_bytes), vector by vector. */
+void PC_FN(q8_side_by_side)(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out) {
+    for (int64_t b = 0; b < (m + VR - 1) / VR; b++)
+        put_side_by_side(xq, m, k, b * VR, side_by_side_at(out + b * side_by_side_bytes(k), k));
 }
 
 /* ---- the weights, laid out ---------------------------------------------------------------- */
@@ -134,7 +150,7 @@ typedef void (*lay_out_fn)(const uint8_t *row, int64_t row_bytes, int64_t subs, 
 #if defined(PC_ISA_AVX512)
 #define TJ 4
 #elif defined(PC_ISA_AVX2)
-#define TJ 1 /* AVX2's 16 ymm: two rows' 16 accumulators spill, and were slower */
+#define TJ 2
 #else
 #define TJ 2
 #endif
@@ -158,17 +174,32 @@ static inline
     for (int j = 0; j < J; j++)
         for (int i = 0; i < PARTS; i++)
             part[j][i] = vr_zero();
-    for (int g = 0; g < 8; g++) {
-        const vr xv = vr_load(x.groups + (8 * s + g) * VR);
-        for (int j = 0; j < J; j++) {
-            const uint32_t u4 = four_bytes(w[j].ints + 32 * s + 4 * g);
-            vr *acc = &part[j][g % 2 + 2 * (g / 4)];
+    const int32_t *groups = x.groups + 8 * s * VR;
+    if (kind == DOT_S) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const vr xv = vr_load(groups + g * VR);
+            for (int j = 0; j < J; j++) {
+                const uint32_t w4 = four_bytes(w[j].ints + 32 * s + 4 * g);
+                vr *acc = &part[j][g % 2 + 2 * (g / 4)];
 #if defined(PC_ISA_VNNI)
-            /* signed weights plus 128 as unsigned bytes; 128 sum(q) taken away below */
-            *acc = kind == DOT_S ? vr_dot_u(*acc, u4 ^ 0x80808080u, xv) : vr_dot_u(*acc, u4, xv);
+                /* signed weights plus 128 as unsigned bytes; 128 sum(q) taken away below */
+                *acc = vr_dot_u(*acc, w4 ^ 0x80808080u, xv);
 #else
-            *acc = kind == DOT_S ? vr_dot_s(*acc, u4, xv) : vr_dot_u(*acc, u4, xv);
+                *acc = vr_dot_s(*acc, w4, xv);
 #endif
+            }
+        }
+    } else {
+        /* chain c takes groups g and g + 2 (g = 0, 1, 4, 5), two at a time */
+#pragma GCC unroll 4
+        for (int c = 0; c < PARTS; c++) {
+            const int g = c + (c & 2);
+            const vr xv = vr_load(groups + g * VR), yv = vr_load(groups + (g + 2) * VR);
+            for (int j = 0; j < J; j++) {
+                const uint8_t *u = w[j].ints + 32 * s + 4 * g;
+                part[j][c] = vr_dot_u2(part[j][c], four_bytes(u), xv, four_bytes(u + 8), yv);
+            }
         }
     }
     for (int j = 0; j < J; j++) {
@@ -186,61 +217,65 @@ static inline
 #endif
 }
 
-/* J laid-out weight rows against the VR rows of x: y[l * ldy + j] for rows l < rows */
+/* J laid-out weight rows against the VR rows of x: y[l * ldy + j] for rows l < rows. The
+   eight canonical lanes of each weight row live in memory (L1), loaded and stored once a
+   sub-block: in registers, they and the integer sums' chains did not fit, and the compiler's
+   spills landed inside the chains (docs/perf.md, "int8 inputs"). */
 static inline __attribute__((always_inline)) void tile(const laid_out *w, side_by_side x, int64_t k,
                                                        float *y, int64_t ldy, int64_t rows,
                                                        const int J, const int kind,
                                                        const int offsets) {
     const int64_t subs = k / 32;
-    vrf acc[TJ][CHUNK], tail[TJ];
+    float acc[TJ][CHUNK][VR], tail[TJ][VR];
     for (int j = 0; j < J; j++) {
-        tail[j] = vrf_zero();
+        vrf_store(tail[j], vrf_zero());
         for (int l = 0; l < CHUNK; l++)
-            acc[j][l] = vrf_zero();
+            vrf_store(acc[j][l], vrf_zero());
     }
     for (int64_t first = 0; first < subs; first += CHUNK) {
         const int64_t n = subs - first < CHUNK ? subs - first : CHUNK;
-#pragma GCC unroll 8
+#pragma GCC unroll 1
         for (int l = 0; l < CHUNK; l++) {
             if (l >= n) { /* as products_q8.c: a part chunk's missing lanes add 0 * 0 */
                 for (int j = 0; j < J; j++)
-                    acc[j][l] = vrf_fma(vrf_zero(), vrf_zero(), acc[j][l]);
+                    vrf_store(acc[j][l], vrf_fma(vrf_zero(), vrf_zero(), vrf_load(acc[j][l])));
                 continue;
             }
             const int64_t s = first + l;
             vr p[TJ];
             sub_totals(w, x, s, p, J, kind);
             const vrf dx = vrf_load(x.scales + s * VR);
-            for (int j = 0; j < J; j++)
-                acc[j][l] = vrf_fma(vrf_from(p[j]), vrf_mul(vrf_set1(w[j].a[s]), dx), acc[j][l]);
+            for (int j = 0; j < J; j++) {
+                const vrf scale = vrf_mul(vrf_set1(w[j].a[s]), dx);
+                vrf_store(acc[j][l], vrf_fma(vrf_from(p[j]), scale, vrf_load(acc[j][l])));
+            }
         }
         for (int j = 0; j < J; j++) {
             const float *b = w[j].b + 2 * first;
-            if (offsets == OFFSETS_16) {
-#pragma GCC unroll 8
-                for (int l = 0; l < CHUNK; l++) {
+#pragma GCC unroll 1
+            for (int l = 0; l < CHUNK && offsets != OFFSETS_NONE; l++) {
+                vrf a = vrf_load(acc[j][l]);
+                if (offsets == OFFSETS_16) {
                     const float *sums = x.sums16 + 2 * first * VR;
-                    acc[j][l] = vrf_fma(vrf_set1(b[l]), vrf_load(sums + l * VR), acc[j][l]);
-                    acc[j][l] =
-                        vrf_fma(vrf_set1(b[l + 8]), vrf_load(sums + (l + 8) * VR), acc[j][l]);
+                    a = vrf_fma(vrf_set1(b[l]), vrf_load(sums + l * VR), a);
+                    a = vrf_fma(vrf_set1(b[l + 8]), vrf_load(sums + (l + 8) * VR), a);
+                } else if (n == CHUNK) {
+                    a = vrf_fma(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR), a);
+                } else if (l < n) { /* a part chunk's offsets one by one into the tail */
+                    const vrf term = vrf_mul(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR));
+                    vrf_store(tail[j], vrf_add(vrf_load(tail[j]), term));
                 }
-            } else if (offsets == OFFSETS_32 && n == CHUNK) {
-#pragma GCC unroll 8
-                for (int l = 0; l < CHUNK; l++)
-                    acc[j][l] =
-                        vrf_fma(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR), acc[j][l]);
-            } else if (offsets == OFFSETS_32) {
-                for (int64_t l = 0; l < n; l++)
-                    tail[j] = vrf_add(
-                        tail[j], vrf_mul(vrf_set1(b[l]), vrf_load(x.sums32 + (first + l) * VR)));
+                vrf_store(acc[j][l], a);
             }
         }
     }
     for (int j = 0; j < J; j++) {
         /* v8_sum's tree: lanes l and l + 4, then those two apart, then the last two */
-        const vrf t0 = vrf_add(acc[j][0], acc[j][4]), t1 = vrf_add(acc[j][1], acc[j][5]);
-        const vrf t2 = vrf_add(acc[j][2], acc[j][6]), t3 = vrf_add(acc[j][3], acc[j][7]);
-        const vrf total = vrf_add(vrf_add(vrf_add(t0, t2), vrf_add(t1, t3)), tail[j]);
+        vrf t[4];
+        for (int l = 0; l < 4; l++)
+            t[l] = vrf_add(vrf_load(acc[j][l]), vrf_load(acc[j][l + 4]));
+        const vrf total =
+            vrf_add(vrf_add(vrf_add(t[0], t[2]), vrf_add(t[1], t[3])), vrf_load(tail[j]));
         float lanes[VR];
         vrf_store(lanes, total);
         for (int64_t l = 0; l < rows; l++)
@@ -273,17 +308,14 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
 }
 
 static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
-                     const uint8_t *xq, int64_t m, int64_t k, float *y, int64_t ldy,
+                     const uint8_t *inputs, int64_t m, int64_t k, float *y, int64_t ldy,
                      int64_t n_begin, int64_t n_end) {
-    const int64_t subs = k / 32, blocks = (m + VR - 1) / VR;
+    const int64_t subs = k / 32, vectors = (m + VR - 1) / VR;
     const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
-    const int64_t block_bytes = side_by_side_bytes(k);
-    uint8_t *buf = malloc((size_t)(TJ * stride + blocks * block_bytes));
+    const int64_t vector_bytes = side_by_side_bytes(k);
+    uint8_t *buf = malloc((size_t)(TJ * stride));
     if (buf == NULL)
         return PC_NO_MEMORY;
-    uint8_t *inputs = buf + TJ * stride;
-    for (int64_t b = 0; b < blocks; b++)
-        put_side_by_side(xq, m, k, b * VR, side_by_side_at(inputs + b * block_bytes, k));
     for (int64_t j = n_begin; j < n_end; j += TJ) {
         const int J = n_end - j < TJ ? (int)(n_end - j) : TJ;
         laid_out rows[TJ];
@@ -291,22 +323,23 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
             lay_out(w + (j + i) * row_bytes, row_bytes, subs, buf + i * stride);
             rows[i] = laid_out_at(buf + i * stride, subs);
         }
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; b < vectors; b++) {
             const int64_t r0 = b * VR, rows_here = m - r0 < VR ? m - r0 : VR;
-            tile_rows(rows, side_by_side_at(inputs + b * block_bytes, k), k, y + r0 * ldy + j, ldy,
-                      rows_here, J, form);
+            const side_by_side x = side_by_side_at((uint8_t *)inputs + b * vector_bytes, k);
+            tile_rows(rows, x, k, y + r0 * ldy + j, ldy, rows_here, J, form);
         }
     }
     free(buf);
     return PC_OK;
 }
 
-/* y[r * ldy + j] for weight rows [n_begin, n_end) of `type` against m int8 input rows xq
-   (pagechat_cpu.h's layout): PC_OK, PC_NO_MEMORY (nothing written) or PC_BAD_SHAPE. */
-int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *xq,
+/* y[r * ldy + j] for weight rows [n_begin, n_end) of `type` against m input rows side by
+   side (`inputs`, pc_q8_side_by_side's layout): PC_OK, PC_NO_MEMORY (nothing written) or
+   PC_BAD_SHAPE. */
+int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
                         int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
                         int64_t n_end) {
-#define TILES(T, FORM) tiles(lay_out_##T, FORM, w, row_bytes, xq, m, k, y, ldy, n_begin, n_end)
+#define TILES(T, FORM) tiles(lay_out_##T, FORM, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end)
     switch (type) {
     case PC_Q4_0: return TILES(q4_0, TILE_U32);
     case PC_Q4_1: return TILES(q4_1, TILE_U32);
