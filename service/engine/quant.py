@@ -71,12 +71,15 @@ class PackedWeight:
 
     def map_rows(self, fn: Callable[[Tensor], Tensor]) -> PackedWeight:
         """Apply a permutation of the rows (outputs), given as what it does to a dense weight:
-        the blocks move with their rows."""
+        the blocks move with their rows, in place (this weight is consumed: a GGUF's rows
+        are reordered in the private pages of its copy-on-write map, not copied off it)."""
         n = self.shape[0]
         index = fn(torch.arange(n, dtype=torch.int64)[:, None])[:, 0]
-        if len(self.parts) == 1:
-            return PackedWeight((self.parts[0].rows(index),))
-        raise ValueError("rows of a multi-part weight are not permuted")
+        if len(self.parts) != 1:
+            raise ValueError("rows of a multi-part weight are not permuted")
+        (blocks,) = self.parts
+        blocks.data.copy_(blocks.data.index_select(0, index))
+        return self
 
     def dequantize(self) -> Tensor:
         """The dense fp32 weight, through gguf's own dequantization (the reference)."""
@@ -107,17 +110,21 @@ def quantize(w: Tensor, kind: WeightType) -> PackedWeight:
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
     """Stack weights along the outputs (q, k, v into one qkv): dense ones into one tensor,
-    packed ones into one part per run of a type."""
+    packed ones as one part each, so that their blocks stay where they are (a GGUF's stay in
+    its map: no copy); past `ops.MAX_PARTS` parts, each run of a type is joined into one."""
     if all(isinstance(p, Tensor) for p in parts):
         return torch.cat([p for p in parts if isinstance(p, Tensor)])
     if not all(isinstance(p, PackedWeight) for p in parts):
         raise ValueError("stack packed weights with packed weights: quantize the dense ones")
+    blocks = [b for p in parts if isinstance(p, PackedWeight) for b in p.parts]
+    if len(blocks) <= ops.MAX_PARTS:
+        return PackedWeight(tuple(blocks))
     merged: list[Blocks] = []
-    for blocks in (b for p in parts if isinstance(p, PackedWeight) for b in p.parts):
-        if merged and merged[-1].kind == blocks.kind:
+    for b in blocks:
+        if merged and merged[-1].kind == b.kind:
             last = merged.pop()
-            blocks = Blocks(blocks.kind, torch.cat([last.data, blocks.data]), blocks.k)
-        merged.append(blocks)
+            b = Blocks(b.kind, torch.cat([last.data, b.data]), b.k)
+        merged.append(b)
     return PackedWeight(tuple(merged))
 
 

@@ -14,9 +14,11 @@ its pools with) and hands it the step's SAVE ops (blocks about to be dropped) an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels.backend import AttentionBackend
@@ -156,13 +158,19 @@ class ModelRunner:
 
         def pools(layers: tuple[int, ...], num_device: int, num_cpu: int) -> KVPools:
             shape = (len(layers), 2, 0, block_size, args.num_kv_heads, args.head_dim)
-            return KVPools(
-                layers,
-                device=torch.zeros(_with_blocks(shape, num_device + 1), dtype=dtype, device=device),
-                cpu=torch.zeros(
-                    _with_blocks(shape, num_cpu), dtype=dtype, pin_memory=device.type == "cuda"
-                ),
+            device_shape, cpu_shape = (
+                _with_blocks(shape, num_device + 1),
+                _with_blocks(shape, num_cpu),
             )
+            if device.type == "cuda":
+                device_pool = torch.zeros(device_shape, dtype=dtype, device=device)
+                cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=True)
+            else:
+                device_pool, cpu_pool = (
+                    host_zeros(device_shape, dtype),
+                    host_zeros(cpu_shape, dtype),
+                )
+            return KVPools(layers, device=device_pool, cpu=cpu_pool)
 
         self.pools: tuple[KVPools, ...]
         if window_groups is None:
@@ -352,6 +360,18 @@ MAX_NATIVE_ROWS = 1024
 # (docs/perf.md, "Every version side by side"): its attention reads each row's context itself,
 # which over still longer contexts may lose to torch's flash attention.
 MAX_NATIVE_PREFILL_CONTEXT = 8192
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the process holds only once they are written: calloc
+    (through numpy) takes a large block as fresh zero pages from the system and leaves them
+    untouched, where torch.zeros writes every byte. A KV pool then takes memory as its blocks
+    are first used, as llama.cpp's does, not all of it at start-up."""
+    if math.prod(shape) == 0:
+        return torch.zeros(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def _with_blocks(shape: tuple[int, ...], num_blocks: int) -> tuple[int, ...]:

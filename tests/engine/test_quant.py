@@ -63,25 +63,37 @@ def test_dense_weights_quantize_as_ggufs_quantizer_does(kind: WeightType) -> Non
         quantize(w[:, :64].repeat(1, 4), WeightType.Q4_K)
 
 
-def test_stacked_weights_keep_one_part_per_run_of_a_type() -> None:
+def test_stacked_weights_keep_their_blocks_where_they_are() -> None:
+    # Up to three parts (qkv, gate_up), one a tensor, their data not copied (a GGUF's stays
+    # in its map); past three, each run of a type joined into one.
     q, k = _packed(WeightType.Q4_K, 64, 256, 1), _packed(WeightType.Q4_K, 32, 256, 2)
     v = _packed(WeightType.Q6_K, 32, 256, 3)
     qkv = cat_rows([q, k, v])
     assert isinstance(qkv, PackedWeight)
-    assert [(p.kind, p.n) for p in qkv.parts] == [(WeightType.Q4_K, 96), (WeightType.Q6_K, 32)]
+    assert [(p.kind, p.n) for p in qkv.parts] == [
+        (WeightType.Q4_K, 64), (WeightType.Q4_K, 32), (WeightType.Q6_K, 32),
+    ]  # fmt: skip
+    assert [p.data.data_ptr() for p in qkv.parts] == [w.parts[0].data.data_ptr() for w in (q, k, v)]
     assert qkv.shape == (128, 256) and qkv.kinds == (WeightType.Q4_K, WeightType.Q6_K)
     dense = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
     assert torch.equal(qkv.dequantize(), dense)
     assert qkv.nbytes == q.nbytes + k.nbytes + v.nbytes  # the file's bytes, no more
+    four = cat_rows([q, k, v, _packed(WeightType.Q6_K, 16, 256, 4)])
+    assert isinstance(four, PackedWeight)
+    assert [(p.kind, p.n) for p in four.parts] == [(WeightType.Q4_K, 96), (WeightType.Q6_K, 48)]
     with pytest.raises(ValueError, match="quantize the dense ones"):
         cat_rows([q, torch.zeros(4, 256)])
 
 
 def test_rows_permute_with_their_blocks() -> None:
     # llama.cpp's converter permutes Q and K rows; undoing it moves whole rows of blocks.
+    # In place: the weight is consumed (a GGUF's rows move within its copy-on-write map).
     q = _packed(WeightType.Q5_0, 64, 64, 4)
+    want = unpermute_rope(q.dequantize(), 4)
+    storage = q.parts[0].data.data_ptr()
     undone = q.map_rows(lambda w: unpermute_rope(w, 4))
-    assert torch.equal(undone.dequantize(), unpermute_rope(q.dequantize(), 4))
+    assert torch.equal(undone.dequantize(), want)
+    assert undone.parts[0].data.data_ptr() == storage
 
 
 def test_steps_above_the_crossover_dequantize_and_run_a_dense_fp32_matmul(

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from service.engine.blocks import BlockOp, OpKind
-from service.engine.runner import group_block_ops
+from service.engine.runner import group_block_ops, host_zeros
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import greedy
 
@@ -83,3 +83,24 @@ def test_save_ops_write_no_slot_and_carry_their_hashes() -> None:
         (OpKind.SWAP_OUT, [1], [3], []),
         (OpKind.LOAD, [0, 1], [1, 2], []),
     ]
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_host_kv_pool_takes_memory_only_as_its_blocks_are_written() -> None:
+    # 256 MiB of float16 zeros: calloc's fresh pages, held once written (a pool of a KV
+    # cache's size at start-up costs nothing until sequences use its blocks).
+    before = _rss_mib()
+    pool = host_zeros((2, 64, 1024, 1024), torch.float16)
+    assert pool.shape == (2, 64, 1024, 1024) and pool.dtype == torch.float16
+    assert _rss_mib() - before < 32
+    pool[0, :16] = 1.0  # 32 MiB written
+    grown = _rss_mib() - before
+    assert 28 < grown < 64
+    assert float(pool[1].abs().max()) == 0.0  # the rest reads as zeros
+    assert host_zeros((0, 3), torch.bfloat16).shape == (0, 3)
