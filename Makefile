@@ -3,7 +3,7 @@ PY := .venv/bin/python
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup setup-test run chat test test-fast lint typecheck unit bench-engine generate \
-	loadtest bench soak llama-server bench-peers bench-perplexity
+	loadtest bench soak llama-server bench-peers bench-perplexity test-models
 
 setup:
 	@scripts/setup-env.sh
@@ -55,11 +55,20 @@ llama-server:
 	@scripts/build-llama-server.sh
 
 # pagechat serve (defaults, or each ARGS="--pagechat '...'" configuration) against llama-server
-# on the bundled GGUF: 1 / 8 / 32 streams, 128 tokens each, alternating, two rounds. Prints
-# the tables; JSON and markdown go to results/. Without llama-server it says so and exits 0.
+# on the bundled GGUF (or ARGS="--model FILE"): 1 / 8 / 32 streams, 128 tokens each,
+# alternating, two rounds. Prints the tables, each naming the model's size and quant; JSON and
+# markdown go to results/. Without llama-server it says so and exits 0.
 # make bench-peers ARGS="--pagechat '' --pagechat '--num-threads 2'"
+# make bench-peers ARGS="--model build/models/llama-3.2-1b-random-q4_k_m.gguf"
 bench-peers: setup
 	$(PY) -m benchmarks.peers --json results/peers.json --markdown results/peers.md $(ARGS)
+
+# Random-weight models in the shapes of Llama-3.2-1B (and with SHAPES, Qwen2.5-1.5B,
+# Llama-3.2-3B), converted and quantized to Q4_K_M, Q5_K_M and Q8_0 by the llama.cpp tree
+# `make llama-server` builds, into build/models/ (~3 minutes and ~2.5 GB for the 1B shape).
+# make test-models SHAPES="llama-3.2-1b qwen2.5-1.5b"
+test-models: setup llama-server
+	$(PY) -m benchmarks.test_models --shape $(or $(SHAPES),llama-3.2-1b)
 
 # Perplexity per weight format (fp32, bf16, the stored blocks, gguf's requantizations) and CPU
 # kernel version over benchmarks/data/alice-ch1-2.txt, each against its own dequantized fp32

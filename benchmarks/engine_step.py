@@ -14,6 +14,12 @@ every format in turn, so a neighbour's load on a shared machine falls on all of 
         [--cpu-isa auto generic avx2 avx512 vnni] [--batch 1 4 8 32 64] [--steps 20]
         [--dtype auto] [--threads 1 2] [--decode-threads 1 2]
 
+Read bandwidth: before the engines start, the machine's read bandwidth is measured on the
+decode stack's thread count (a 1 GiB fp32 sum through torch, best of five), and each batch-1
+row of packed weights reports the bytes its step reads (every projection and the LM head, as
+stored) over its step time, as a share of that bandwidth: how close one user's decode comes to
+the memory-bound limit (issue 37's bar: 80%).
+
 With --synthetic SHAPE... the models are benchmarks/synthetic.py's, random weights of real
 shapes built on the device (bf16 on CUDA), and each shape runs with CUDA graphs on and off
 (--cuda-graphs on off) in place of the weight formats. Then the step time is set against the
@@ -177,6 +183,30 @@ def measure(
     }
 
 
+def read_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
+    """GB/s that torch's sum reads a tensor of `nbytes` at on `threads` threads (best of 5)."""
+    x = torch.ones(nbytes // 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(before)
+    return nbytes / best / 1e9
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: every packed projection and the LM head as
+    stored (a tied table once; an embedding's lookup reads one row and is not counted)."""
+    held: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            held |= {p.data.data_ptr(): p.nbytes for p in module.weight.parts}
+    return sum(held.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", nargs="+", default=["auto"])
@@ -214,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         default=[2],
         help="the native decode stack's threads (packed weights), each run side by side",
     )
+    parser.add_argument(
+        "--bandwidth-mib", type=int, default=1024, help="the read-bandwidth probe's tensor"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     synthetic = parser.add_argument_group("synthetic models (benchmarks/synthetic.py)")
     synthetic.add_argument("--synthetic", nargs="+", metavar="SHAPE", help="random-weight shapes")
@@ -224,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.synthetic:
         return synthetic_main(args)
 
+    bandwidth_threads = max(args.decode_threads)
+    bandwidth = read_bandwidth(bandwidth_threads, args.bandwidth_mib << 20)
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
     for weights, isa, inputs, threads, decode_threads in itertools.product(
         args.weights, args.cpu_isa, args.matmul_inputs, args.threads, args.decode_threads
@@ -268,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for weights, (engine, _) in engines.items():
         print(f"- {weights}: {engine.runner.model.weights_description}")
+    print(f"- read bandwidth: {bandwidth:.1f} GB/s on {bandwidth_threads} thread(s)")
     names = list(engines)
     print()
     print("| batch | " + " | ".join(f"{w} tokens/s | {w} matmuls" for w in names) + " |")
@@ -291,6 +327,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['matmul_ms']:.1f} | {r['forward_ms']:.1f} | "
                 f"{100 * r['overhead_share']:.1f}% | {r['schedule_ms']:.2f} | "
                 f"{r['prepare_ms']:.2f} | {r['sample_ms']:.2f} | {r['postprocess_ms']:.2f} |"
+            )
+    ones = [(w, r) for w in names for r in rows[w] if r["batch"] == 1]
+    packed = [(w, r, decode_read_bytes(engines[w][0].runner.model)) for w, r in ones]
+    if any(read for _, _, read in packed):
+        print()
+        print(f"Batch 1 against the read bandwidth ({bandwidth:.1f} GB/s):")
+        print()
+        print("| weights | weight bytes a step | step ms | GB/s read | share of bandwidth |")
+        print("|---|---:|---:|---:|---:|")
+        for w, r, read in packed:
+            rate = read / (r["step_ms"] / 1000) / 1e9
+            r |= {"read_bytes": read, "read_gbps": rate, "bandwidth_gbps": bandwidth}
+            print(
+                f"| {w} | {read / 1e6:.1f} MB | {r['step_ms']:.1f} | {rate:.1f} | "
+                f"{100 * rate / bandwidth:.0f}% |"
             )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

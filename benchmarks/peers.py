@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import datetime
 import json
@@ -43,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import gguf
 
 from benchmarks.peer_servers import DEFAULT_BINARY, LlamaServer, Peak, RssPeaks
 from benchmarks.serve import Server
@@ -209,12 +212,14 @@ def _ratio(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
-def markdown(summaries: Sequence[Summary], peaks: dict[str, Peak]) -> str:
-    """A table per concurrency, then the memory table."""
+def markdown(summaries: Sequence[Summary], peaks: dict[str, Peak], model: str = "") -> str:
+    """A table per concurrency, each naming the model (`model_summary`), then the memory
+    table."""
     lines: list[str] = []
     for streams in sorted({s.streams for s in summaries}):
+        on = f" ({model})" if model else ""
         lines += [
-            f"{streams} concurrent stream{'s' if streams > 1 else ''}:",
+            f"{streams} concurrent stream{'s' if streams > 1 else ''}{on}:",
             "",
             "| server | tokens/s by round | tokens/s | TTFT p50 | TTFT mean | prompt tokens "
             "| load avg | tokens/s vs llama-server | TTFT p50 vs llama-server |",
@@ -286,6 +291,26 @@ async def run_rounds(
 
 def pagechat_label(args: str) -> str:
     return f"pagechat {args}".strip()
+
+
+def model_summary(model: Path) -> str:
+    """What a table's figures were measured on: the file, its size, parameters and quant
+    ("llama-3.2-1b-random-q4_k_m.gguf, 669 MB, 1.07B parameters, Q4_K_M: Q4_K x97, ...")."""
+    reader = open_gguf(model)
+    field = reader.get_field("general.file_type")
+    try:
+        quant = gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_")  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        quant = "file type not stated"
+    counts = collections.Counter(
+        gguf.GGMLQuantizationType(int(t.tensor_type)).name for t in reader.tensors
+    )
+    parameters = sum(int(t.n_elements) for t in reader.tensors)
+    types = ", ".join(f"{name} x{n}" for name, n in counts.most_common())
+    return (
+        f"{model.name}, {model.stat().st_size / 1e6:.0f} MB, {parameters / 1e9:.2f}B parameters,"
+        f" {quant}: {types}"
+    )
 
 
 def kv_bytes_per_token(model: Path) -> int:
@@ -432,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         f"llama-server {shlex.join(result.llama_command[1:])}"
     )
     print()
-    table = markdown(summaries, result.peaks)
+    table = markdown(summaries, result.peaks, model_summary(model))
     print(table)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

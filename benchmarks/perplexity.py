@@ -221,6 +221,7 @@ def load_format(
     *,
     dense_twin: bool = False,
     quantized: dict[str, dict[str, Weight]] | None = None,
+    matmul_inputs: str = "fp32",
 ) -> LoadedModel:
     """The model with `weights` matmul weights under fp32 activations (see the top); packed
     ones through the `isa` kernels, their GEMV for up to `window` rows (so every window
@@ -231,7 +232,7 @@ def load_format(
     quantized = {} if quantized is None else quantized
     limit = 0 if weights.endswith(DENSE_PATH) else window
     name = weights.removesuffix(DENSE_PATH)
-    kernels = dispatch.select(isa)
+    kernels = dispatch.select(isa, matmul_inputs)
     if name == STORED:
         return load_model(
             model, torch.float32, kernels=kernels, max_packed_tokens=limit, serve_stored=True
@@ -327,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-isa", nargs="+", default=None, help="kernel versions (default: all this CPU runs)"
     )
+    parser.add_argument(
+        "--matmul-inputs",
+        nargs="+",
+        default=["fp32"],
+        choices=list(dispatch.MATMUL_INPUTS),
+        help="each packed format with the products' inputs in each (int8: products_q8.c)",
+    )
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=None, help="only the text's first N")
@@ -351,12 +359,15 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
         packed = base in (STORED, *QUANTIZED)
         for isa in isas if packed else ["auto"]:
-            label = f"{name} {isa}" if packed else name
-            models[label] = load_format(
-                args.model, name, args.window, isa, reference, quantized=quantized
-            )
-            if base in QUANTIZED:
-                own[label] = f"{base} fp32"
+            for inputs in args.matmul_inputs if packed else ["fp32"]:
+                label = f"{name} {isa}" if packed else name
+                label += f" {inputs} inputs" if packed and len(args.matmul_inputs) > 1 else ""
+                models[label] = load_format(
+                    args.model, name, args.window, isa, reference, quantized=quantized,
+                    matmul_inputs=inputs,
+                )  # fmt: skip
+                if base in QUANTIZED:
+                    own[label] = f"{base} fp32"
     first = models[REFERENCE]
     ids = text_tokens(first, args.text, args.max_tokens)
     digest = hashlib.sha256(args.text.read_bytes()).hexdigest()[:12]

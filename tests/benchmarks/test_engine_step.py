@@ -32,3 +32,22 @@ def test_synthetic_decode_steps_with_graphs_on_and_off_against_the_weight_bound(
     table = capsys.readouterr().out
     assert "RANDOM weights" in table
     assert "| tiny | on | static buffers, eager (no CUDA) | 3 |" in table
+
+
+def test_batch_one_sets_the_weight_bytes_a_step_reads_against_the_read_bandwidth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "engine_step.json"
+    argv = ["--batch", "1", "--steps", "2", "--prompt-len", "8", "--kv-cache-mb", "32",
+            "--matmul-inputs", "fp32", "int8", "--bandwidth-mib", "64", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"auto fp32", "auto int8"}
+    for (row,) in rows.values():
+        # the bundled model's 30 layers of Q4_1 and its tied Q8_0 table as the LM head
+        assert row["read_bytes"] == pytest.approx(95e6, rel=0.05)
+        assert row["read_gbps"] == pytest.approx(row["read_bytes"] / row["step_ms"] / 1e6)
+        assert row["bandwidth_gbps"] > 0
+    table = capsys.readouterr().out
+    assert "Batch 1 against the read bandwidth" in table
+    assert "| auto int8 | " in table

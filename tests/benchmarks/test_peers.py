@@ -24,6 +24,7 @@ from benchmarks.peers import (
     main,
     markdown,
     measure,
+    model_summary,
     pagechat_label,
     request_body,
     run_rounds,
@@ -32,6 +33,7 @@ from benchmarks.peers import (
 from benchmarks.serve import Server
 from benchmarks.sse_client import StreamError, StreamResult
 from service.api.openai.chat_request import ChatCompletionRequest
+from service.engine.loader import default_model_path
 from tests.tiny_model import gguf_tokenizer, make_tiny_llama
 
 
@@ -137,6 +139,14 @@ def test_the_tables_put_each_concurrency_and_each_servers_memory_side_by_side() 
     )
     assert "| pagechat | 2100 MB | 2300 MB | 12 MB (redis-server) |" in table
     assert "| llama-server | 1100 MB | 0 MB | none |" in table
+    named = markdown(summarize(ms), peaks, "m.gguf, 98 MB, 0.13B parameters, Q4_1: Q4_1 x210")
+    assert "8 concurrent streams (m.gguf, 98 MB, 0.13B parameters, Q4_1: Q4_1 x210):" in named
+
+
+def test_the_model_is_named_with_its_size_parameters_and_quant() -> None:
+    summary = model_summary(default_model_path())
+    assert summary.startswith("SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB, 0.13B parameters, Q4_1:")
+    assert "Q4_1 x210" in summary and "Q8_0 x1" in summary
 
 
 def test_without_a_llama_server_binary_it_says_so_and_runs_nothing(
