@@ -34,17 +34,18 @@ from kernels.cpu.library import library
 
 log = logging.getLogger(__name__)
 
-# Every kernel with a version per ISA; the first five are the decode stack's table.
+# The decode stack's table's kernels, in pc_kernels' order (before its int8 entries).
+STACK_KERNELS = ("gemv", "attend", "rms_norm", "rope_write", "silu_mul", "gelu_tanh_mul")
+# Every kernel with a version per ISA.
 KERNELS = (
-    "gemv", "attend", "rms_norm", "rope_write", "silu_mul", "dequant", "dequant_rows", "sample",
-    "gemv_q8", "quantize_q8",
+    *STACK_KERNELS, "dequant", "dequant_rows", "sample", "gemv_q8", "quantize_q8",
 )  # fmt: skip
 # What the packed products take as inputs: fp32 as they are (the dequantized model's
 # arithmetic), or int8 per 32 inputs (`gemv_q8` in `gemv`'s place).
 MATMUL_INPUTS = ("fp32", "int8")
 
 
-# The int8 products' entry points in pc_kernels after the first five (NULL with fp32 inputs):
+# The int8 products' entry points in pc_kernels after STACK_KERNELS (NULL with fp32 inputs):
 # one version for all three, gemv_q8's (an input prepared by one version is read by its own).
 INT8_ENTRIES = ("q8_prepared_bytes", "q8_prepare", "gemv_q8_prepared")
 _TABLE_FIELDS = ("prepared_bytes", "prepare", "gemv_prepared")
@@ -53,7 +54,7 @@ _TABLE_FIELDS = ("prepared_bytes", "prepare", "gemv_prepared")
 class CKernels(ctypes.Structure):
     """pc_kernels: the table of chosen versions stack.c calls through."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (*KERNELS[:5], *_TABLE_FIELDS)]
+    _fields_ = [(name, ctypes.c_void_p) for name in (*STACK_KERNELS, *_TABLE_FIELDS)]
 
 
 def names() -> tuple[str, ...]:
@@ -86,7 +87,7 @@ class KernelSet:
     @property
     def table(self) -> CKernels:
         if not self._table:
-            addresses = {k: ctypes.cast(self.fn(k), ctypes.c_void_p).value for k in KERNELS[:5]}
+            addresses = {k: ctypes.cast(self.fn(k), ctypes.c_void_p).value for k in STACK_KERNELS}
             if self.matmul_inputs == "int8":
                 isa = self.chosen["gemv_q8"]
                 for field_name, entry in zip(_TABLE_FIELDS, INT8_ENTRIES, strict=True):
@@ -321,6 +322,13 @@ def _probe_silu_mul(version: KernelSet, generic: KernelSet) -> str | None:
     return _differs(ops.silu_mul(version, gate_up), want, 1e-5 * (1 + want.abs()))
 
 
+def _probe_gelu_tanh_mul(version: KernelSet, generic: KernelSet) -> str | None:
+    gen = torch.Generator().manual_seed(10)
+    gate_up = torch.randn(3, 2 * 40, generator=gen) * 4
+    want = ops.gelu_tanh_mul(generic, gate_up)
+    return _differs(ops.gelu_tanh_mul(version, gate_up), want, 1e-5 * (1 + want.abs()))
+
+
 def _probe_sample(version: KernelSet, generic: KernelSet) -> str | None:
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 300, generator=gen) * 3
@@ -349,5 +357,6 @@ PROBES: dict[str, Probe] = {
     "rope_write": _probe_rope_write,
     "rms_norm": _probe_rms_norm,
     "silu_mul": _probe_silu_mul,
+    "gelu_tanh_mul": _probe_gelu_tanh_mul,
     "sample": _probe_sample,
 }

@@ -39,6 +39,7 @@ PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "rms_norm": (None, (P, P, P, I64, I64, F32)),
     "rope_write": (None, (P, I64, I64, I64, I64, I64, P, P, P, P, P, I64)),
     "silu_mul": (None, (P, P, I64, I64, I64)),
+    "gelu_tanh_mul": (None, (P, P, I64, I64, I64)),
     "sample": (I64, (P, I64, I64, I64, P, I64, P, P, P, P)),
 }
 ONCE_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {

@@ -202,12 +202,22 @@ def rms_norm(kernels: KernelSet, x: Tensor, weight: Tensor, eps: float) -> Tenso
 
 def silu_mul(kernels: KernelSet, gate_up: Tensor) -> Tensor:
     """SiLU(gate) * up of gate_up [m, 2 inter] (each row [gate; up]): [m, inter] fp32."""
+    return _gated(kernels, "silu_mul", gate_up)
+
+
+def gelu_tanh_mul(kernels: KernelSet, gate_up: Tensor) -> Tensor:
+    """GELU(gate) * up, GELU's tanh approximation (torch's gelu(approximate="tanh")), of
+    gate_up [m, 2 inter] (each row [gate; up]): [m, inter] fp32."""
+    return _gated(kernels, "gelu_tanh_mul", gate_up)
+
+
+def _gated(kernels: KernelSet, kernel: str, gate_up: Tensor) -> Tensor:
     if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
     gate_up = gate_up.contiguous()
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(m, inter, dtype=torch.float32)
-    kernels.fn("silu_mul")(gate_up.data_ptr(), out.data_ptr(), inter, 0, m * inter)
+    kernels.fn(kernel)(gate_up.data_ptr(), out.data_ptr(), inter, 0, m * inter)
     return out
 
 

@@ -1,7 +1,8 @@
 """The CPU kernels (kernels/cpu/ops.py), every version this CPU executes: GGUF blocks
 dequantized exactly as gguf does, fp32 products within fp32 rounding of float64 over those
 values, paged decode attention against SDPA over a gathered cache in every cache dtype,
-RoPE with the cache write, RMSNorm and SiLU against torch, sampling against float64."""
+RoPE with the cache write, RMSNorm, SiLU and tanh-GELU against torch, sampling against
+float64."""
 
 from __future__ import annotations
 
@@ -235,7 +236,7 @@ def test_rope_rotates_q_and_k_and_writes_k_and_v_to_their_slots(
     assert not flat_k[others].any() and not flat_v[others].any()
 
 
-def test_rms_norm_and_silu_match_torch_in_fp32(cpu: KernelSet) -> None:
+def test_rms_norm_silu_and_gelu_match_torch_in_fp32(cpu: KernelSet) -> None:
     gen = torch.Generator().manual_seed(12)
     x, w = torch.randn(5, 101, generator=gen) * 3, torch.randn(101, generator=gen)
     want = F.rms_norm(x, (101,), w, 1e-5)
@@ -244,6 +245,24 @@ def test_rms_norm_and_silu_match_torch_in_fp32(cpu: KernelSet) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     assert torch.allclose(ops.silu_mul(cpu, gate_up), want, rtol=1e-5, atol=1e-6)
+    want = _gelu_tanh(gate) * up
+    assert torch.allclose(ops.gelu_tanh_mul(cpu, gate_up).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _gelu_tanh(gate: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation in float64, as g sigmoid(2 y) (= g (1 + tanh(y)) / 2): torch's
+    own fp32 1 + tanh(y) cancels to 0 below g = -5 or so, where the kernel keeps the value."""
+    g = gate.double()
+    return g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))
+
+
+def test_gelu_keeps_its_precision_far_below_zero_and_its_value_far_above(cpu: KernelSet) -> None:
+    gate = torch.tensor([-9.0, -6.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 6.0, 40.0, 1e20])
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
+    want = _gelu_tanh(gate)
+    want[-1] = 1e20  # g^3 overflows: the sigmoid's 1
+    got = ops.gelu_tanh_mul(cpu, gate_up)[0]
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=0.0)
 
 
 @pytest.mark.parametrize("seed", range(6))

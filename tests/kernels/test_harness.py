@@ -216,7 +216,7 @@ def test_the_harness_attention_and_rope_match_torch(run: Run, dtype: torch.dtype
     assert torch.equal(value_cache[write], heads[:, hq + hkv :].to(dtype))
 
 
-def test_the_harness_rms_norm_and_silu_match_torch(run: Run) -> None:
+def test_the_harness_rms_norm_silu_and_gelu_match_torch(run: Run) -> None:
     gen = torch.Generator().manual_seed(22)
     x, w = torch.randn(5, 101, generator=gen) * 3, torch.randn(101, generator=gen)
     (normed,) = run("rms_norm", 5, 101, 1e-5, x, w, Out(torch.float32, (5, 101)))
@@ -226,6 +226,15 @@ def test_the_harness_rms_norm_and_silu_match_torch(run: Run) -> None:
     (gated,) = run("silu_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.allclose(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    (gelu,) = run("gelu_tanh_mul", 4, 96, gate_up, Out(torch.float32, (4, 96)))
+    want = _gelu_tanh(gate) * up
+    assert torch.allclose(gelu.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def _gelu_tanh(gate: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation in float64 (torch's fp32 one cancels to 0 far below 0)."""
+    g = gate.double()
+    return g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))
 
 
 @pytest.mark.parametrize("seed", range(3))

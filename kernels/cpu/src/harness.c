@@ -10,6 +10,7 @@
      harness ISA rope_write CACHE M HQ HKV D CACHE_SLOTS QKV COS SIN SLOTS KC VC QKV' KC' VC'
      harness ISA rms_norm ROWS D EPS X W OUT
      harness ISA silu_mul M INTER GATE_UP OUT
+     harness ISA gelu_tanh_mul M INTER GATE_UP OUT
      harness ISA sample ROWS VOCAB WORDS LOGITS ALLOWED TEMPS MIN_P UNIFORMS OUT
 
    Inputs and outputs are raw little-endian files (a primed name is the output of what the
@@ -40,6 +41,7 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
     void pc_rope_write_##isa(float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *,  \
                              const float *, const int64_t *, void *, void *, int64_t);             \
     void pc_silu_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);                     \
+    void pc_gelu_tanh_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);                \
     int64_t pc_sample_##isa(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,   \
                             const float *, const float *, const double *, int64_t *);
 
@@ -55,9 +57,10 @@ typedef struct {
 
 #define VERSION(isa)                                                                               \
     {#isa,                                                                                         \
-     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa},  \
+     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa,   \
+      pc_gelu_tanh_mul_##isa},                                                                     \
      {pc_gemv_q8_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa,                   \
-      pc_silu_mul_##isa, pc_q8_prepared_bytes_##isa, pc_q8_prepare_##isa,                          \
+      pc_silu_mul_##isa, pc_gelu_tanh_mul_##isa, pc_q8_prepared_bytes_##isa, pc_q8_prepare_##isa,  \
       pc_gemv_q8_prepared_##isa},                                                                  \
      pc_dequant_##isa,                                                                             \
      pc_sample_##isa}
@@ -214,10 +217,12 @@ int main(int argc, char **argv) {
         save(a[5], out, sizeof(float) * (size_t)(rows * d));
         return finish(0);
     }
-    if (strcmp(op, "silu_mul") == 0 && n == 4) {
+    if ((strcmp(op, "silu_mul") == 0 || strcmp(op, "gelu_tanh_mul") == 0) && n == 4) {
         const int64_t m = num(a[0]), inter = num(a[1]);
         float *out = take(sizeof(float) * (size_t)(m * inter));
-        v->kernels.silu_mul(load(a[2], NULL), out, inter, 0, m * inter);
+        const pc_gated_fn gated =
+            strcmp(op, "silu_mul") == 0 ? v->kernels.silu_mul : v->kernels.gelu_tanh_mul;
+        gated(load(a[2], NULL), out, inter, 0, m * inter);
         save(a[3], out, sizeof(float) * (size_t)(m * inter));
         return finish(0);
     }

@@ -1,6 +1,6 @@
 /* The elementwise steps of a decoder layer: RMSNorm, RoPE with the K/V write into the paged
-   cache, SiLU(gate) * up. Plain loops the compiler vectorizes for each instruction set, and
-   the vector conversions of simd.h where the cache is 16-bit. */
+   cache, SiLU(gate) * up and tanh-GELU(gate) * up. Plain loops the compiler vectorizes for
+   each instruction set, and the vector conversions of simd.h where the cache is 16-bit. */
 #include "pagechat_cpu.h"
 #include "simd.h"
 
@@ -77,15 +77,36 @@ static inline float silu(float g) {
     return (g < 0.0f ? g * e : g) / (1.0f + e);
 }
 
-/* out[e] = SiLU(gate) * up for elements e in [begin, end) of [m, inter], from gate_up
-   [m, 2 inter] (each row [gate; up]). */
-void PC_FN(silu_mul)(const float *gate_up, float *out, int64_t inter, int64_t begin, int64_t end) {
+/* GELU's tanh approximation, g (1 + tanh(y)) / 2 with y = sqrt(2 / pi) (g + 0.044715 g^3),
+   as torch's gelu(approximate="tanh"). (1 + tanh(y)) / 2 is the sigmoid of 2 y, taken as SiLU
+   takes its own: with e = exp(-2 |y|), g / (1 + e) for y >= 0 and g e / (1 + e) below (no
+   1 + tanh that cancels where y is far below 0). */
+static inline float gelu_tanh(float g) {
+    const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = exp_nonpositive(y < 0.0f ? 2.0f * y : -2.0f * y);
+    return (y < 0.0f ? g * e : g) / (1.0f + e);
+}
+
+/* out[e] = act(gate) * up for elements e in [begin, end) of [m, inter], from gate_up
+   [m, 2 inter] (each row [gate; up]); `activation` a constant, so each loop is its own. */
+static inline __attribute__((always_inline)) void gated(const float *gate_up, float *out,
+                                                        int64_t inter, int64_t begin, int64_t end,
+                                                        const int64_t activation) {
     for (int64_t r = begin / inter; r * inter < end; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *dst = out + r * inter;
         const int64_t first = begin > r * inter ? begin - r * inter : 0;
         const int64_t last = end < (r + 1) * inter ? end - r * inter : inter;
         for (int64_t i = first; i < last; i++)
-            dst[i] = silu(gate[i]) * up[i];
+            dst[i] = (activation == PC_SILU ? silu(gate[i]) : gelu_tanh(gate[i])) * up[i];
     }
+}
+
+void PC_FN(silu_mul)(const float *gate_up, float *out, int64_t inter, int64_t begin, int64_t end) {
+    gated(gate_up, out, inter, begin, end, PC_SILU);
+}
+
+void PC_FN(gelu_tanh_mul)(const float *gate_up, float *out, int64_t inter, int64_t begin,
+                          int64_t end) {
+    gated(gate_up, out, inter, begin, end, PC_GELU_TANH);
 }

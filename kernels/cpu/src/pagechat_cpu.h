@@ -69,8 +69,11 @@ typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int6
                                  int64_t d, const float *cos, const float *sin,
                                  const int64_t *slots, void *k_cache, void *v_cache,
                                  int64_t cache_type);
-typedef void (*pc_silu_mul_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
-                               int64_t end);
+/* The MLP's activations of the gate (times up), and their kernels: act(gate) * up for elements
+   [begin, end) of [m, inter], from gate_up [m, 2 inter]. */
+enum { PC_SILU = 0, PC_GELU_TANH = 1 };
+typedef void (*pc_gated_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
+                            int64_t end);
 /* Products with int8 inputs (products_q8.c): the bytes an input [m, k] takes once prepared,
    its preparation (once, whatever the threads sharing its products), the products from it. */
 typedef int64_t (*pc_prepared_bytes_fn)(int64_t m, int64_t k);
@@ -84,7 +87,8 @@ typedef struct {
     pc_attend_fn attend;
     pc_rms_norm_fn rms_norm;
     pc_rope_write_fn rope_write;
-    pc_silu_mul_fn silu_mul;
+    pc_gated_fn silu_mul;
+    pc_gated_fn gelu_tanh_mul;
     /* int8 inputs: the projections' inputs prepared once and their products from them
        (gemv then unused); NULL, all three, where the products take fp32 inputs */
     pc_prepared_bytes_fn prepared_bytes;
