@@ -45,7 +45,7 @@ PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
 ONCE_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "pc_cpu_runs": (I64, (ctypes.c_char_p,)),
     "pc_gemv_threads": (I64, (P, P, P, I64, P, I64)),
-    "pc_decode_layers": (I64, (P, P, P, P, I64, P, P, P, P, I64, P, I64, P)),
+    "pc_decode_layers": (I64, (P, P, P, P, P, I64, P)),
 }
 
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
-from kernels.cpu.stack import CDecoderShape, DecoderStack, StackLayer, StackRows
+from kernels.cpu.stack import ACTIVATIONS, CDecoderShape, DecoderStack, StackLayer, StackRows
 from kernels.metadata import AttentionMetadata
 from service.engine.quant import (
     HEAD_TYPE,
@@ -112,16 +112,6 @@ class ModelArgs:
             raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ValueError("sliding_layers must name layers of the model")
-
-    @property
-    def plain(self) -> bool:
-        """Llama's layer exactly, which the one-call native stack runs."""
-        return not (
-            self.attention_bias or self.output_bias or self.qk_norm or self.sandwich_norms
-            or self.embedding_scale is not None or self.attention_scale is not None
-            or self.hidden_act != "silu" or self.local_rope_theta is not None
-            or self.sliding_window is not None
-        )  # fmt: skip
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -543,12 +533,16 @@ class LlamaModel(nn.Module):
         return hidden
 
     def native_decoder_stack(
-        self, caches: Sequence[tuple[Tensor, Tensor]], threads: int = 1
+        self,
+        caches: Sequence[tuple[Tensor, Tensor]],
+        threads: int = 1,
+        layer_groups: Sequence[int] | None = None,
     ) -> DecoderStack | None:
         """Every layer of a step in one native call (`forward_natively`), where this model can
-        take it: packed projections, fp32 activations, and a contiguous CPU
-        cache (fp32, fp16 or bf16) with heads the kernels take. None elsewhere: the layers
-        then run op by op through `forward`."""
+        take it: packed projections, fp32 activations, and contiguous CPU caches (fp32, fp16 or
+        bf16) with heads the kernels take. `layer_groups`: each layer's KV group, where the
+        sliding-window layers' caches are in pools of their own (the runner's; default one
+        pool). None elsewhere: the layers then run op by op through `forward`."""
         if not _runs_natively(self, caches):
             return None
         assert self.kernels is not None
@@ -561,11 +555,19 @@ class LlamaModel(nn.Module):
             num_kv_heads=a.num_kv_heads,
             head_dim=a.head_dim,
             rms_norm_eps=a.rms_norm_eps,
-            scale=a.head_dim**-0.5,
+            # The op-by-op path pre-scales q by `q_scale` under head_dim ** -0.5: the same
+            # product up to an fp32 rounding.
+            scale=a.attention_scale if a.attention_scale is not None else a.head_dim**-0.5,
+            activation=ACTIVATIONS[a.hidden_act],
         )
+        groups = layer_groups or (0,) * a.num_layers
+        local_rope = 1 if self.local_tables is not None else 0
         layers = []
-        for layer, (key_cache, value_cache) in zip(self.layers, caches, strict=True):
+        for i, (layer, (key_cache, value_cache)) in enumerate(
+            zip(self.layers, caches, strict=True)
+        ):
             assert isinstance(layer, DecoderLayer)
+            attn = layer.attn
             layers.append(
                 StackLayer(
                     projections=tuple(p.weight.parts for p in _layer_projections(layer)),
@@ -573,6 +575,15 @@ class LlamaModel(nn.Module):
                     mlp_norm=layer.mlp_norm.weight,
                     key_cache=key_cache,
                     value_cache=value_cache,
+                    qkv_bias=attn.qkv_bias,
+                    o_bias=attn.o_bias,
+                    q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+                    k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+                    post_attn_norm=_norm_weight(layer.post_attn_norm),
+                    post_mlp_norm=_norm_weight(layer.post_mlp_norm),
+                    group=groups[i],
+                    rope=local_rope if i in a.sliding_layers else 0,
+                    window=a.layer_windows[i],
                 )
             )
         return DecoderStack(self.kernels, shape, layers, threads)
@@ -582,14 +593,22 @@ class LlamaModel(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         stack: DecoderStack,
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> Tensor:
         """`forward`, its layers in one call of `stack`: the same arithmetic, without the ~25
-        torch ops a layer. [T] -> [T, hidden]."""
-        x = self.embed_tokens(input_ids).to(self.activation_dtype).contiguous()  # [T, hidden]
-        cos = self.cos_table.index_select(0, positions)  # [T, D]
-        sin = self.sin_table.index_select(0, positions)  # [T, D]
-        hidden: Tensor = self.norm(stack(x, cos, sin, StackRows.of(meta, positions)))
+        torch ops a layer. `metas`: the step's metadata of each KV group the stack's layers
+        read (one, or the full and the window layers'). [T] -> [T, hidden]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.args.embedding_scale is not None:  # as `forward` scales it
+            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
+        x = x.to(self.activation_dtype).contiguous()
+        tables = [(self.cos_table, self.sin_table)]
+        if self.local_tables is not None:
+            tables.append(self.local_tables)
+        ropes = [
+            (cos.index_select(0, positions), sin.index_select(0, positions)) for cos, sin in tables
+        ]  # [T, D] each
+        hidden: Tensor = self.norm(stack(x, ropes, StackRows.of(metas, positions)))
         return hidden  # [T, hidden]
 
     def ensure_positions(self, positions: int) -> None:
@@ -642,8 +661,6 @@ _DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
     if model.kernels is None or model.activation_dtype != torch.float32:
         return False
-    if not model.args.plain:  # the native layer has none of the families' features
-        return False
     if len(caches) != model.args.num_layers:
         return False
     head_dim, heads = model.args.head_dim, (model.args.num_heads, model.args.num_kv_heads)
@@ -656,6 +673,10 @@ def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -
     ):
         return False
     return all(len(_layer_projections(layer)) == 4 for layer in model.layers)
+
+
+def _norm_weight(norm: RMSNorm | None) -> Tensor | None:
+    return None if norm is None else norm.weight
 
 
 def _layer_projections(layer: nn.Module) -> tuple[QuantLinear, ...]:

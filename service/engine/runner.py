@@ -78,7 +78,8 @@ class StepInputs:
     plan: object  # the attention backend's per-step plan; None where the native stack runs
     sample_rows: torch.Tensor  # [S] int64: row of each sampling chunk's last token
     native: bool = False  # every layer in one call of the runner's `decoder_stack`
-    # The sliding-window layers' tables and plan where they have pools of their own.
+    # The sliding-window layers' tables and plan where they have pools of their own (no
+    # plan where the native stack runs).
     window_meta: AttentionMetadata | None = None
     window_plan: object = None
 
@@ -200,7 +201,9 @@ class ModelRunner:
         # Steps run every layer in one native call where the model can
         # (model.native_decoder_stack): at one row, the torch path's ~25 ops a layer cost
         # about as much as the layer's packed matmuls, and in a prefill chunk a third.
-        self.decoder_stack = model.native_decoder_stack(self.layer_caches, decode_threads)
+        self.decoder_stack = model.native_decoder_stack(
+            self.layer_caches, decode_threads, self.layer_groups
+        )
 
     @property
     def native_decode_threads(self) -> int:
@@ -306,7 +309,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             native=native,
             window_meta=window_meta,
-            window_plan=None if window_meta is None else self.backend.plan(window_meta),
+            window_plan=None if native or window_meta is None else self.backend.plan(window_meta),
         )
 
     def _runs_natively(self, query_lens: list[int], seq_lens: list[int]) -> bool:
@@ -327,15 +330,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Every layer over the step's tokens, K/V written through the pages; hidden [T, H]."""
-        if inputs.native:
-            assert self.decoder_stack is not None
-            return self.model.forward_natively(
-                inputs.input_ids, inputs.positions, self.decoder_stack, inputs.meta
-            )
         metas: tuple[AttentionMetadata, ...] = (inputs.meta,)
         plans: tuple[object, ...] = (inputs.plan,)
         if inputs.window_meta is not None:
             metas, plans = (inputs.meta, inputs.window_meta), (inputs.plan, inputs.window_plan)
+        if inputs.native:
+            assert self.decoder_stack is not None
+            return self.model.forward_natively(
+                inputs.input_ids, inputs.positions, self.decoder_stack, metas
+            )
         attention = PagedLayerAttention(
             caches=self.layer_caches,
             backend=self.backend,

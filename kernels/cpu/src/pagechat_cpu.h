@@ -110,18 +110,45 @@ typedef struct {
     int64_t parts, n, k; /* n: the parts' rows together */
 } pc_projection;
 
-/* One decoder layer as pc_decode_layers reads it. */
+/* The layer groups a model's KV pools are split into (service/engine/window_blocks.py: full
+   and sliding-window layers), and the RoPE tables its layers rotate by (Gemma's local ones). */
+#define PC_MAX_GROUPS 2
+#define PC_MAX_ROPES 2
+
+/* One decoder layer as pc_decode_layers reads it. A feature a family lacks is NULL (or 0). */
 typedef struct {
     pc_projection proj[4]; /* qkv, o_proj, gate_up, down */
     const float *attn_norm, *mlp_norm;
-    void *k_cache, *v_cache; /* [slots, hkv, d] of the shape's cache_type */
+    void *k_cache, *v_cache; /* [slots, hkv, d] of the shape's cache_type, in its group's pool */
+    const float *qkv_bias;   /* [q_size + 2 kv_size], added to qkv's output */
+    const float *o_bias;     /* [hidden], added to o_proj's */
+    const float *q_norm, *k_norm; /* [d]: an RMSNorm over each head of q, of k, before RoPE */
+    /* [hidden]: an RMSNorm of the attention's and of the MLP's output before its residual */
+    const float *post_attn_norm, *post_mlp_norm;
+    int64_t group;  /* the layer group whose pool it is in, and whose step rows it reads */
+    int64_t rope;   /* the step's RoPE rows it rotates q and k by */
+    int64_t window; /* keys a row sees, its own included; 0: its whole context */
 } pc_decoder_layer;
 
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_q_heads, num_kv_heads, head_dim;
-    float rms_norm_eps, scale;
-    int64_t cache_blocks, block_size, cache_type; /* the KV pool's, every layer's alike */
+    float rms_norm_eps, scale;           /* scale: the attention's, on q . k */
+    int64_t activation;                  /* PC_SILU or PC_GELU_TANH */
+    int64_t block_size, cache_type;      /* every pool's */
+    int64_t groups;                      /* layer groups, 1 to PC_MAX_GROUPS */
+    int64_t cache_blocks[PC_MAX_GROUPS]; /* each group's pool */
 } pc_decoder_shape;
+
+/* A step's m rows, one per token: its context length (its position + 1), its RoPE rows in
+   each table, and per layer group the slot its K/V go to and its sequence's pages. */
+typedef struct {
+    int64_t m;
+    const int32_t *seq_lens;                            /* [m] */
+    const float *cos[PC_MAX_ROPES], *sin[PC_MAX_ROPES]; /* [m, d]; NULL past those in use */
+    const int64_t *write_slots[PC_MAX_GROUPS];          /* [m] */
+    const int32_t *block_tables[PC_MAX_GROUPS];         /* [m, table_width] */
+    int64_t table_width[PC_MAX_GROUPS];
+} pc_step_rows;
 
 /* Int8 input rows (products_q8.c): a row of k inputs (k a multiple of 32) as
    pc_q8_row_bytes(k) bytes: k int8 values q, then a float scale d per 32 (x ~ d q), then per

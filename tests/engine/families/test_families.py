@@ -215,15 +215,14 @@ def test_parallel_samples_and_the_third_tier_keep_transformers_tokens(
 def test_packed_weights_run_every_family_as_its_dequantized_weights(case: Any) -> None:
     """Quantized at load time (Q8_0 through the CPU kernels, as `--weights int8` does), each
     family's features (biases, q/k norms, RoPE divisors) stay around the packed projections:
-    the logits are those of the fp32 model over the same weights dequantized. Those features
-    keep a model off the one-call native stack, on the op-by-op path."""
+    the logits are those of the fp32 model over the same weights dequantized. Every family
+    runs on the one-call native stack too (tests/engine/test_native_decode.py)."""
     _, directory, loaded = case
     kernels = dispatch.select("auto")
     packed = load_model(directory, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels)
     args = packed.args
-    if args.attention_bias or args.output_bias or args.qk_norm:
-        caches = [(torch.zeros(4, 16, args.num_kv_heads, args.head_dim),) * 2] * args.num_layers
-        assert packed.model.native_decoder_stack(caches) is None
+    caches = [(torch.zeros(4, 16, args.num_kv_heads, args.head_dim),) * 2] * args.num_layers
+    assert packed.model.native_decoder_stack(caches) is not None
     reference = dequantized_reference(loaded, WeightType.Q8_0)
     ids = torch.tensor(_prompt(20, seed=5))
     low = packed.model.compute_logits(packed.model(ids, torch.arange(20), ContiguousAttention(2)))
