@@ -39,7 +39,8 @@ def test_batch_one_sets_the_weight_bytes_a_step_reads_against_the_read_bandwidth
 ) -> None:
     out = tmp_path / "engine_step.json"
     argv = ["--batch", "1", "--steps", "2", "--prompt-len", "8", "--kv-cache-mb", "32",
-            "--matmul-inputs", "fp32", "int8", "--bandwidth-mib", "64", "--json", str(out)]  # fmt: skip
+            "--matmul-inputs", "fp32", "int8", "--bandwidth-mib", "64",
+            "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())
     assert set(rows) == {"auto fp32", "auto int8"}
