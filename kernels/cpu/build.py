@@ -2,9 +2,10 @@
 
 The per-ISA sources (quants.c, attention.c, ops.c) are compiled once for each version of
 this architecture with that version's flags and `-DPC_ISA=<name>`, which suffixes every
-exported name (`pc_gemv_avx2`); stack.c and features.c once, for the baseline. Nothing is
-compiled for the machine that builds it (no -march=native): the same file runs on every CPU
-of the architecture, and kernels/cpu/dispatch.py picks the versions when it loads.
+exported name (`pc_gemv_avx2`); stack.c, its parts (helper.c, context_views.c) and features.c
+once, for the baseline. Nothing is compiled for the machine that builds it (no -march=native):
+the same file runs on every CPU of the architecture, and kernels/cpu/dispatch.py picks the
+versions when it loads.
 
 Only the standard library here: the Dockerfile's build stage runs it without torch
 (`python -m kernels.cpu.build --output libpagechat_cpu.so`).
@@ -25,13 +26,14 @@ SOURCE_DIR = Path(__file__).with_name("src")
 PER_ISA_SOURCES = (
     "quants.c", "products_q8.c", "tiles_q8.c", "attention.c", "ops.c", "sample.c",
 )  # fmt: skip
-ONCE_SOURCES = ("stack.c", "features.c")
+ONCE_SOURCES = ("stack.c", "helper.c", "context_views.c", "features.c")
 HEADERS = (
     "pagechat_cpu.h",
     "simd.h",
     "blocks.h",
     "int8.h",
     "weights_q8.h",
+    "stack_parts.h",
 )  # harness.c, a test program, is not in the library
 # -ffp-contract=off: a * b + c is fused only where the source says so (vf_fma), never where the
 # compiler's unrolling happens to find it, so that a row's sums are the same bits in every

@@ -1,5 +1,5 @@
-/* A whole decode step's decoder layers in one call, and the helper thread that takes half of
-   its work. Compiled once: every kernel it runs comes through a pc_kernels table of the
+/* A whole decode step's decoder layers in one call, half its work on a helper thread
+   (helper.c). Compiled once: every kernel it runs comes through a pc_kernels table of the
    versions dispatch.py chose for this CPU.
 
    Per layer: RMSNorm, the fused qkv GEMV (and its bias), an RMSNorm over each head of Q and of
@@ -10,214 +10,15 @@
    has it. The same arithmetic as the torch path op for op (model.py), without its ~25 small
    ops a layer: at one row those cost as much as the layer's matmuls. */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
-#include "pagechat_cpu.h"
+#include "stack_parts.h"
 
 static inline int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* ---- the helper thread ----------------------------------------------------------------- */
-/* A second thread for a call's work: each GEMV's weight rows, the attention's rows (or a lone
-   row's context) and the activation's elements are split between the calling thread and this
-   helper. While a call runs the helper spins between parts (a futex wake-up per part, ~120 a step,
-   would cost more than the split saves); between calls it sleeps on a condition variable, so
-   an idle engine leaves the core to the event loop. One call at a time uses it (a second
-   engine in the process runs its call on one thread). */
-
-typedef enum {
-    PART_GEMV,              /* weight rows of one projection */
-    PART_ATTENTION_ROWS,    /* rows of the batch */
-    PART_ATTENTION_CONTEXT, /* context positions of row 0 */
-    PART_GATED,             /* elements of act(gate) * up, [m, intermediate] */
-} part_kind;
-
-typedef struct {
-    part_kind kind;
-    const pc_kernels *kernels;
-    int64_t begin, end;
-    int64_t status;              /* PC_OK, or what went wrong while it ran */
-    const pc_projection *weight; /* PART_GEMV: y [m, n] = x [m, k] w^T */
-    const float *x;
-    const uint8_t *prepared; /* PART_GEMV with int8 inputs: x as kernels->prepare left it */
-    int64_t m;
-    float *y;
-    pc_attention attention;
-    int64_t inter, activation; /* PART_GATED: x is gate_up, y the output */
-} work_part;
-
-/* Rows [begin, end) of a projection: each part's share of them, at its place in y, from the
-   inputs as they are or as prepared (int8 inputs). */
-static int64_t project_rows(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                            const uint8_t *prepared, int64_t m, float *y, int64_t begin,
-                            int64_t end) {
-    int64_t offset = 0, status = PC_OK;
-    for (int64_t i = 0; i < w->parts && status == PC_OK; i++) {
-        const pc_weight *p = &w->part[i];
-        const int64_t first = begin > offset ? begin : offset;
-        const int64_t last = end < offset + p->n ? end : offset + p->n;
-        if (first < last && prepared)
-            status = kernels->gemv_prepared(p->type, p->data, p->row_bytes, prepared, m, p->k,
-                                            y + offset, w->n, first - offset, last - offset);
-        else if (first < last)
-            status = kernels->gemv(p->type, p->data, p->row_bytes, x, m, p->k, y + offset, w->n,
-                                   first - offset, last - offset);
-        offset += p->n;
-    }
-    return status;
-}
-
-static void run_part(work_part *p) {
-    switch (p->kind) {
-    case PART_GEMV:
-        p->status =
-            project_rows(p->kernels, p->weight, p->x, p->prepared, p->m, p->y, p->begin, p->end);
-        break;
-    case PART_ATTENTION_ROWS:
-    case PART_ATTENTION_CONTEXT:
-        p->status =
-            p->kernels->attend(&p->attention, p->begin, p->end, p->kind == PART_ATTENTION_CONTEXT);
-        break;
-    case PART_GATED:
-        (p->activation == PC_GELU_TANH ? p->kernels->gelu_tanh_mul : p->kernels->silu_mul)(
-            p->x, p->y, p->inter, p->begin, p->end);
-        break;
-    }
-}
-
-static struct {
-    pthread_mutex_t lock; /* guards `stepping`'s changes and the thread's start */
-    pthread_cond_t wake;
-    pthread_mutex_t owner; /* held by the call that uses the helper */
-    int started;
-    atomic_int stepping;          /* 1 while a call may post work: spin, don't sleep */
-    atomic_uint posted, finished; /* work counters: the helper's part runs when they differ */
-    work_part part;
-} helper = {.lock = PTHREAD_MUTEX_INITIALIZER,
-            .wake = PTHREAD_COND_INITIALIZER,
-            .owner = PTHREAD_MUTEX_INITIALIZER};
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-/* A spin-wait's n-th turn: pause, and past ~20 us (a projection's half takes 10-100) yield
-   the core, so that a third thread (the server's event loop) waiting for one runs now
-   instead of at the end of our time slice, while this one has nothing to do. */
-#define SPINS_BEFORE_YIELD 4096
-static inline void spin_turn(unsigned *spins) {
-    if (++*spins < SPINS_BEFORE_YIELD)
-        cpu_relax();
-    else
-        sched_yield();
-}
-
-static void *helper_main(void *unused) {
-    (void)unused;
-    unsigned seen = 0;
-    for (;;) {
-        unsigned spins = 0;
-        while (atomic_load_explicit(&helper.posted, memory_order_acquire) == seen) {
-            if (atomic_load_explicit(&helper.stepping, memory_order_acquire)) {
-                spin_turn(&spins);
-                continue;
-            }
-            pthread_mutex_lock(&helper.lock);
-            while (!atomic_load(&helper.stepping) && atomic_load(&helper.posted) == seen)
-                pthread_cond_wait(&helper.wake, &helper.lock);
-            pthread_mutex_unlock(&helper.lock);
-        }
-        seen = atomic_load_explicit(&helper.posted, memory_order_acquire);
-        run_part(&helper.part);
-        atomic_store_explicit(&helper.finished, seen, memory_order_release);
-    }
-    return NULL;
-}
-
-/* A forked child has no helper thread (fork copies only the caller): it starts its own on
-   its first split call, from a reset state, instead of spinning for one that is not there. */
-static void helper_after_fork(void) {
-    pthread_mutex_init(&helper.lock, NULL);
-    pthread_cond_init(&helper.wake, NULL);
-    pthread_mutex_init(&helper.owner, NULL);
-    helper.started = 0;
-    atomic_store(&helper.stepping, 0);
-    atomic_store(&helper.posted, 0);
-    atomic_store(&helper.finished, 0);
-}
-
-static pthread_once_t helper_fork_hook = PTHREAD_ONCE_INIT;
-
-static void helper_register_fork_hook(void) {
-    pthread_atfork(NULL, NULL, helper_after_fork);
-}
-
-/* Takes the helper for one call: 1 if it is ours (started and spinning), 0 where it could
-   not start or another call holds it (then the call runs on one thread). */
-static int helper_take(void) {
-    pthread_once(&helper_fork_hook, helper_register_fork_hook);
-    if (pthread_mutex_trylock(&helper.owner))
-        return 0;
-    pthread_mutex_lock(&helper.lock);
-    if (!helper.started) {
-        pthread_t thread;
-        if (pthread_create(&thread, NULL, helper_main, NULL) == 0) {
-            pthread_detach(thread);
-            helper.started = 1;
-        }
-    }
-    const int ours = helper.started;
-    if (ours) {
-        atomic_store(&helper.stepping, 1);
-        pthread_cond_signal(&helper.wake);
-    }
-    pthread_mutex_unlock(&helper.lock);
-    if (!ours)
-        pthread_mutex_unlock(&helper.owner);
-    return ours;
-}
-
-static void helper_release(void) {
-    pthread_mutex_lock(&helper.lock);
-    atomic_store(&helper.stepping, 0);
-    pthread_mutex_unlock(&helper.lock);
-    pthread_mutex_unlock(&helper.owner);
-}
-
-/* Runs `theirs` on the helper and `mine` on the calling thread, waits for both, and
-   returns the first status that is not PC_OK (or PC_OK). */
-static int64_t run_split(const work_part *theirs, work_part *mine) {
-    helper.part = *theirs;
-    const unsigned ticket = atomic_fetch_add_explicit(&helper.posted, 1, memory_order_release) + 1;
-    run_part(mine);
-    unsigned spins = 0;
-    while (atomic_load_explicit(&helper.finished, memory_order_acquire) != ticket)
-        spin_turn(&spins);
-    return mine->status != PC_OK ? mine->status : helper.part.status;
-}
-
-/* `part` whole, or split at `middle` with the helper taking [middle, end); its status. */
-static int64_t run_shared(const work_part *part, int split, int64_t middle) {
-    work_part theirs = *part, mine = *part;
-    if (!split || middle <= part->begin || middle >= part->end) {
-        run_part(&mine);
-        return mine.status;
-    }
-    theirs.begin = middle;
-    mine.end = middle;
-    return run_split(&theirs, &mine);
 }
 
 /* out = the softmax over both context ranges: each range's output is normalized by its own
@@ -282,99 +83,6 @@ static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s)
     return 1;
 }
 
-/* ---- each layer's view of the rows' contexts ------------------------------------------- */
-
-/* The slots a layer reads for each row: its group's pages, from the first position its window
-   sees to the row's own. The layers of one group and window read one view, built once a
-   step. A model has at most one window (ModelArgs.sliding_window): two views a group. */
-#define MAX_VIEWS (2 * PC_MAX_GROUPS)
-
-typedef struct {
-    int64_t group, window;
-    int64_t *slots;         /* [m, stride]: row r's at slots + r * stride */
-    int64_t *lens;          /* [m]: how many slots each row reads */
-    int64_t stride;         /* the most any row reads */
-    int64_t balanced_split; /* the row where the attention's split gives each thread half */
-} context_view;
-
-/* The first position a row of context length `len` sees through `window` (0: all). */
-static inline int64_t first_seen(int64_t len, int64_t window) {
-    return window > 0 && len > window ? len - window : 0;
-}
-
-static int64_t find_view(const context_view *views, int64_t count, int64_t group, int64_t window) {
-    for (int64_t v = 0; v < count; v++)
-        if (views[v].group == group && views[v].window == window)
-            return v;
-    return -1;
-}
-
-/* The views the layers read (their group and window) into `views`, each with its stride;
-   checks the step's rows against every pool one of them reads: each row's write slot, its
-   length and every block its view reads. Returns the count of views, or -PC_BAD_SHAPE (more
-   views than MAX_VIEWS, a RoPE table or group's rows the step lacks) or -PC_OUT_OF_POOL. */
-static int64_t plan_views(const pc_decoder_layer *layers, const pc_decoder_shape *s,
-                          const pc_step_rows *rows, context_view *views) {
-    const int64_t m = rows->m, bs = s->block_size;
-    int64_t count = 0;
-    for (int64_t l = 0; l < s->num_layers; l++) {
-        const pc_decoder_layer *layer = &layers[l];
-        if (rows->cos[layer->rope] == NULL || rows->sin[layer->rope] == NULL)
-            return -PC_BAD_SHAPE;
-        if (find_view(views, count, layer->group, layer->window) >= 0)
-            continue;
-        if (count == MAX_VIEWS)
-            return -PC_BAD_SHAPE;
-        views[count++] = (context_view){.group = layer->group, .window = layer->window};
-    }
-    for (int64_t v = 0; v < count; v++) {
-        const int64_t g = views[v].group, blocks = s->cache_blocks[g];
-        const int64_t *write_slots = rows->write_slots[g];
-        const int32_t *tables = rows->block_tables[g];
-        if (write_slots == NULL || tables == NULL)
-            return -PC_BAD_SHAPE;
-        for (int64_t r = 0; r < m; r++) {
-            const int64_t len = rows->seq_lens[r], first = first_seen(len, views[v].window);
-            if (write_slots[r] < 0 || write_slots[r] >= blocks * bs)
-                return -PC_OUT_OF_POOL;
-            if (len < 1 || len > rows->table_width[g] * bs)
-                return -PC_OUT_OF_POOL;
-            for (int64_t b = first / bs; b < (len + bs - 1) / bs; b++) {
-                const int32_t block = tables[r * rows->table_width[g] + b];
-                if (block < 0 || block >= blocks)
-                    return -PC_OUT_OF_POOL;
-            }
-            views[v].stride = len - first > views[v].stride ? len - first : views[v].stride;
-        }
-    }
-    return count;
-}
-
-/* Each row's slots from its group's block table into the view's (`slots`, `lens`: the view's
-   memory), and the row that splits its reading in halves. */
-static void fill_view(context_view *view, const pc_step_rows *rows, int64_t bs, int64_t *slots,
-                      int64_t *lens) {
-    const int64_t m = rows->m, width = rows->table_width[view->group];
-    const int32_t *tables = rows->block_tables[view->group];
-    view->slots = slots;
-    view->lens = lens;
-    int64_t total = 0;
-    for (int64_t r = 0; r < m; r++) {
-        const int64_t first = first_seen(rows->seq_lens[r], view->window);
-        lens[r] = rows->seq_lens[r] - first;
-        total += lens[r];
-        for (int64_t c = 0; c < lens[r]; c++) {
-            const int64_t position = first + c;
-            slots[r * view->stride + c] =
-                (int64_t)tables[r * width + position / bs] * bs + position % bs;
-        }
-    }
-    int64_t split = 1, seen = m > 0 ? lens[0] : 0;
-    while (split < m - 1 && 2 * seen < total)
-        seen += lens[split++];
-    view->balanced_split = split;
-}
-
 #define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
 
 /* The bytes the projections' inputs take prepared for int8 products: the most any of inputs
@@ -405,7 +113,7 @@ static int64_t project(const pc_kernels *kernels, const pc_projection *w, const 
                             .prepared = kernels->prepare ? prepared : NULL,
                             .m = m,
                             .y = y};
-    const int64_t status = run_shared(&part, split, w->n / 2);
+    const int64_t status = pc_run_shared(&part, split, w->n / 2);
     if (matmul_ns)
         *matmul_ns += now_ns() - start;
     return status;
@@ -419,10 +127,10 @@ int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const
     if (kernels->prepare && m > 0 &&
         (prepared = malloc((size_t)most_prepared_bytes(kernels, m, &w->k, 1))) == NULL)
         return PC_NO_MEMORY;
-    const int split = threads > 1 && helper_take();
+    const int split = threads > 1 && pc_helper_take();
     const int64_t status = m > 0 ? project(kernels, w, x, m, y, split, prepared, NULL) : PC_OK;
     if (split)
-        helper_release();
+        pc_helper_release();
     free(prepared);
     return status;
 }
@@ -479,7 +187,7 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     /* Nothing outside a pool is written or read: every write slot and every block a view
        reads lies in its group's pool (a few rows: cheap next to the step). */
     context_view views[MAX_VIEWS] = {{0}};
-    const int64_t num_views = plan_views(layers, shape, rows, views);
+    const int64_t num_views = pc_plan_views(layers, shape, rows, views);
     if (num_views < 0)
         return -num_views;
     int64_t max_context = 0, view_slots = 0;
@@ -506,18 +214,20 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     }
     /* each view's slots from its group's block tables, once a step, read by its layers */
     for (int64_t v = 0, at = 0; v < num_views; v++) {
-        fill_view(&views[v], rows, shape->block_size, slots + at, slots + at + m * views[v].stride);
+        pc_fill_view(&views[v], rows, shape->block_size, slots + at,
+                     slots + at + m * views[v].stride);
         at += m * views[v].stride + m;
     }
     float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
     float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
     float *scores = proj + m * h;                  /* [2, hq, max_context]: one per thread */
     float *halves = scores + 2 * hq * max_context; /* peaks and totals of two, the helper's out */
-    const int split = threads > 1 && helper_take();
+    const int split = threads > 1 && pc_helper_take();
     int64_t status = PC_OK; /* a kernel's failure (out of memory) ends the step: see done */
     for (int64_t l = 0; l < shape->num_layers; l++) {
         const pc_decoder_layer *layer = layers + l;
-        const context_view *view = &views[find_view(views, num_views, layer->group, layer->window)];
+        const context_view *view =
+            &views[pc_find_view(views, num_views, layer->group, layer->window)];
         kernels->rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
         if ((status =
                  project(kernels, &layer->proj[0], normed, m, qkv, split, prepared, matmul_ns)))
@@ -560,7 +270,7 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
             theirs.attention.totals = halves + 3 * hq;
             theirs.attention.scores = scores + hq * max_context;
             theirs.attention.out = halves + 4 * hq;
-            if ((status = run_split(&theirs, &mine)))
+            if ((status = pc_run_split(&theirs, &mine)))
                 goto done;
             merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
                          halves + 3 * hq, hq, d);
@@ -576,9 +286,9 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                 work_part theirs = part;
                 theirs.begin = part.end = view->balanced_split;
                 theirs.attention.scores = scores + hq * max_context;
-                status = run_split(&theirs, &part);
+                status = pc_run_split(&theirs, &part);
             } else {
-                run_part(&part);
+                pc_run_part(&part);
                 status = part.status;
             }
             if (status)
@@ -601,14 +311,14 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                                  .y = act,
                                  .inter = inter,
                                  .activation = shape->activation};
-        run_shared(&gated, split, m * inter / 2);
+        pc_run_shared(&gated, split, m * inter / 2);
         if ((status = project(kernels, &layer->proj[3], act, m, proj, split, prepared, matmul_ns)))
             goto done;
         add_residual(kernels, shape, x, proj, layer->post_mlp_norm, m);
     }
 done:
     if (split)
-        helper_release();
+        pc_helper_release();
     free(prepared);
     free(slots);
     free(work);
