@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-threads",
         type=int,
         nargs="+",
-        default=[2],
-        help="the native decode stack's threads (packed weights), each run side by side",
+        default=[0],
+        help="the native decode stack's threads (packed weights; 0: one per physical core),"
+        " each run side by side",
     )
     parser.add_argument(
         "--bandwidth-mib", type=int, default=1024, help="the read-bandwidth probe's tensor"

@@ -2,7 +2,7 @@
 then calls the version a `KernelSet` chose (kernels/cpu/dispatch.py).
 
 Every wrapper runs on the calling thread, except `gemv_threads`, which may split its rows with
-the library's helper thread.
+the library's helper threads.
 
 NOTE: nothing here splits work across threads of torch's: with two torch threads, torch's
 OpenMP worker spins for a while after each op, and a thread of ours for the other half
@@ -146,7 +146,8 @@ def quantize_q8(kernels: KernelSet, x: Tensor) -> tuple[Tensor, Tensor, Tensor, 
 
 def gemv_threads(kernels: KernelSet, parts: Sequence[Blocks], x: Tensor, threads: int) -> Tensor:
     """`gemv` over weights whose outputs follow one another ([m, sum of n]), the rows split
-    with the library's helper thread where `threads` is 2 and the helper is free."""
+    between up to `threads` threads (the caller's and the library's helpers, where they are
+    free)."""
     weights = projection(parts)
     x = _input(x, weights.k)
     y = torch.empty(x.shape[0], weights.n, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Every decoder layer of a step in one native call (stack.c, pc_decode_layers), on one or two
+"""Every decoder layer of a step in one native call (stack.c, pc_decode_layers), on one to 64
 threads, through the kernel versions a `KernelSet` chose: decode rows and short prefill
 chunks alike, each row with its own context, for every family `ModelArgs` describes (biases,
 q/k norms, sandwich norms, tanh-GELU, an attention scale, per-layer RoPE tables and sliding
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.cpu import ops
+from kernels.cpu import ops, topology
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks
 from kernels.metadata import AttentionMetadata
@@ -160,8 +160,8 @@ class DecoderStack:
         layers: list[StackLayer],
         threads: int = 1,
     ) -> None:
-        if threads not in (1, 2):
-            raise ValueError(f"the stack runs on one or two threads, not {threads}")
+        if not 1 <= threads <= topology.MAX_THREADS:
+            raise ValueError(f"the stack runs on 1 to {topology.MAX_THREADS} threads: {threads}")
         if len(layers) != shape.num_layers:
             raise ValueError(f"{len(layers)} layers for a shape of {shape.num_layers}")
         pools = _group_pools(layers)
@@ -180,8 +180,8 @@ class DecoderStack:
         self.ropes = 1 + max(layer.rope for layer in layers)
         self._table = table
         self._layers = layers  # keeps what the table points at alive
-        # Two: each projection, the attention and the activation split with the library's
-        # helper thread.
+        # More than one: each projection, the attention and the activation split with the
+        # library's helper threads.
         self.threads = threads
         # Set to a ctypes.c_int64 to have each call add its GEMVs' nanoseconds to it.
         self.matmul_ns: ctypes.c_int64 | None = None

@@ -35,13 +35,12 @@ docs/perf.md, not repeated here:
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels.cpu import dispatch
+from kernels.cpu import dispatch, topology
 from service.engine.blocks import AllocationMode
 from service.engine.dtype_trial import fastest_cpu_dtypes
 from service.engine.kvtier.config import KVTierConfig
@@ -180,11 +179,13 @@ class EngineConfig:
         " event loop (docs/perf-history.md, 'Measured before the project')",
     )
     decode_threads: int = setting(
-        2,
-        "threads of the native decode stack, 1 or 2 (capped at the CPUs the process may run"
-        " on): decode steps of a packed model on the CPU run every layer in one native call,"
-        " each projection, the attention rows and the LM head split with a helper thread at 2"
-        " (kernels/cpu/src/stack.c)",
+        0,
+        "threads of the native decode stack, 1 to 64; 0: one per physical core the process may"
+        " run on (its CPU affinity; a core's hardware threads count once). Decode steps and"
+        " short prefill chunks of a packed model on the CPU run every layer in one native"
+        " call, each projection, the attention and the LM head split between the threads"
+        " (kernels/cpu/src/stack.c, helper.c); more than the CPUs the process may run on are"
+        " capped to them",
     )
     cuda_graphs: bool = setting(
         True,
@@ -213,8 +214,8 @@ class EngineConfig:
             raise ValueError("num_cpu_blocks must be >= 0")
         if self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
-        if self.decode_threads not in (1, 2):
-            raise ValueError("decode_threads must be 1 or 2")
+        if not 0 <= self.decode_threads <= topology.MAX_THREADS:
+            raise ValueError(f"decode_threads must be 0 (auto) or 1 to {topology.MAX_THREADS}")
         if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMATS)}")
         if self.weights != "auto" and self.weight_dtype != "auto":
@@ -231,13 +232,12 @@ class EngineConfig:
             self.allocation = AllocationMode(self.allocation)
 
     def native_threads(self) -> int:
-        """`decode_threads`, capped at the CPUs this process may run on: on one CPU a
-        helper thread would only take turns with the thread waiting for it."""
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
-        return min(self.decode_threads, cpus)
+        """The native decode stack's threads: `decode_threads`, or with 0 the physical cores
+        this process may run on, never more than the CPUs it may run on (on one CPU a helper
+        thread would only take turns with the thread waiting for it)."""
+        cpus = topology.usable_cpus()
+        wanted = self.decode_threads or topology.physical_cores(cpus)
+        return min(wanted, len(cpus), topology.MAX_THREADS)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

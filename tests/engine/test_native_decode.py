@@ -1,6 +1,6 @@
 """The native decoder stack: a decode step's layers in one call (model.native_decoder_stack),
-against the same layers op by op, on one and two threads, in every KV cache dtype, for weights
-whose fused projections mix GGUF types, for every family's features (biases, q/k norms,
+against the same layers op by op, on one, two and three threads, in every KV cache dtype, for
+weights whose fused projections mix GGUF types, for every family's features (biases, q/k norms,
 sliding windows, Gemma 3's local layers in pools of their own), and where it must not run."""
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def _cat(parts: list[PackedWeight]) -> PackedWeight:
 
 
 Forward = Callable[[StepInputs], torch.Tensor]
+STACK_THREADS = (1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +180,8 @@ class Compared:
     rows: int  # sequences in the step
     context: int  # its longest context
     chunk: bool  # a prefill chunk among its rows
-    rel: float  # the larger of either thread count's difference, over the largest |hidden|
-    same_bits: bool  # two threads gave the same bits as one
+    rel: float  # the largest of each thread count's difference, over the largest |hidden|
+    same_bits: bool  # two and three threads gave the same bits as one
 
 
 def _compare_paths(runner: ModelRunner, seen: list[Compared]) -> Forward:
@@ -199,11 +200,13 @@ def _compare_paths(runner: ModelRunner, seen: list[Compared]) -> Forward:
             inputs.window_plan = runner.backend.plan(inputs.window_meta)
         op_by_op = forward(inputs).clone()
         inputs.native = True
-        stack.threads = 1
-        one = forward(inputs).clone()
-        stack.threads = 2
-        two = forward(inputs)
-        rel = float(max((one - op_by_op).abs().max(), (two - op_by_op).abs().max()))
+        # three threads on two cores too: the helpers take turns, the shares are the same
+        outputs = []
+        for threads in STACK_THREADS:
+            stack.threads = threads
+            outputs.append(forward(inputs).clone())
+        one = outputs[0]
+        rel = float(max((out - op_by_op).abs().max() for out in outputs))
         meta = inputs.meta
         seen.append(
             Compared(
@@ -211,10 +214,10 @@ def _compare_paths(runner: ModelRunner, seen: list[Compared]) -> Forward:
                 context=meta.max_seq_len,
                 chunk=meta.max_query_len > 1,
                 rel=rel / float(op_by_op.abs().max()),
-                same_bits=torch.equal(one, two),
+                same_bits=all(torch.equal(one, out) for out in outputs[1:]),
             )
         )
-        return two
+        return outputs[-1]
 
     return both
 
@@ -233,9 +236,11 @@ def _run_both_ways(engine: LLMEngine) -> list[Compared]:
     run(engine, {"long": [(5 * j) % 400 + 17 for j in range(300)]}, greedy(2))
     assert {s.rows for s in seen} >= {1, 3, 5}  # one sequence, and several
     assert any(s.chunk for s in seen) and any(not s.chunk for s in seen)  # prefill and decode
-    # A lone decoding sequence of 64 positions or more: two threads split its context.
-    assert any(s.rows == 1 and s.context >= 64 and not s.chunk for s in seen)
-    # The helper thread changes no bit, but where a lone row's context halves are merged.
+    # A lone decoding sequence of 64 positions or more: two threads split its context, and
+    # of 96 or more, three.
+    assert any(s.rows == 1 and 64 <= s.context < 96 and not s.chunk for s in seen)
+    assert any(s.rows == 1 and s.context >= 96 and not s.chunk for s in seen)
+    # The helper threads change no bit, but where a lone row's context ranges are merged.
     assert all(s.same_bits for s in seen if s.chunk or s.rows > 1 or s.context < 64)
     return seen
 

@@ -90,7 +90,7 @@ def test_products_of_many_rows_keep_within_their_versions_bound(
     w = _gguf(weight)
     x = torch.randn(rows, weight.k, generator=gen)
     want = x.double() @ w.double().t()
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         got = ops.gemv_threads(cpu, [weight], x, threads).double()
         if cpu_isa == "amx":
             bound = AMX_BOUND * (x.double().abs() @ w.double().abs().t()) + 1e-30
@@ -143,7 +143,7 @@ def test_two_threads_compute_the_same_product_and_parts_follow_one_another(
     v = random_blocks(WeightType.Q6_K, 32, 512, gen)  # a V stored in another type
     x = torch.randn(3, 512, generator=gen)
     want = torch.cat([ops.gemv(cpu, q, x), ops.gemv(cpu, v, x)], dim=1)
-    for threads in (1, 2):
+    for threads in (1, 2, 3, 7):  # 7: six shares of 16 rows, two of them in V's 32
         assert torch.equal(ops.gemv_threads(cpu, [q, v], x, threads), want)
 
 

@@ -136,8 +136,9 @@ def test_the_harness_dequantizes_exactly_and_multiplies_in_fp32(
     (dense,) = run("dequant", int(kind), 20, k, weight.data, Out(torch.float32, (20, k)))
     assert torch.equal(dense, want_w)
     # in registers, two rows at once, tiles of dequantized rows (a full one and a rest), split
-    # with the helper thread, and steps of 32 rows and more (amx: the tile unit, its bound)
-    for rows, threads in ((1, 1), (2, 1), (5, 1), (11, 1), (3, 2), (40, 1), (33, 2)):
+    # with the helper threads (shares of 16 rows: 16 + 4), and steps of 32 rows and more (amx:
+    # the tile unit, its bound)
+    for rows, threads in ((1, 1), (2, 1), (5, 1), (11, 1), (3, 2), (40, 1), (33, 2), (9, 3)):
         x = torch.randn(rows, k, generator=gen)
         (y,) = run(
             "gemv", int(kind), rows, 20, k, threads, weight.data, x,
@@ -155,18 +156,18 @@ def test_the_harness_products_of_int8_inputs_are_their_dot_products_same_at_any_
     # tests/kernels/test_products_q8.py's checks through the harness: the inputs quantized as
     # ggml's Q8_0 (q8_reference), one to four rows from the blocks, more side by side in
     # vector lanes (NEON's 4, AVX512's 16, others' 8: 21 rows end in a part vector of each),
-    # split with the helper thread; legacy types' rows ending in a part chunk of sub-blocks.
+    # split with the helper threads; legacy types' rows ending in a part chunk of sub-blocks.
     gen = torch.Generator().manual_seed(50 + int(kind))
     k = 256 if kind >= WeightType.Q4_K else 352
-    weight = random_blocks(kind, 11, k, gen)
+    weight = random_blocks(kind, 40, k, gen)  # shares of 16 rows: 16 + 24, 16 + 16 + 8
     w = _gguf(weight).double()
     x = torch.randn(17, k, generator=gen)
     xq = _dequantized_inputs(x)
     outputs = {}
-    for rows, threads in ((3, 2), (17, 2)):
+    for rows, threads in ((3, 2), (17, 3)):
         (y,) = run(
-            "gemv_q8", int(kind), rows, 11, k, threads, weight.data, x[:rows],
-            Out(torch.float32, (rows, 11)),
+            "gemv_q8", int(kind), rows, 40, k, threads, weight.data, x[:rows],
+            Out(torch.float32, (rows, 40)),
         )  # fmt: skip
         bound = k * 2.0**-24 * (xq[:rows].abs() @ w.abs().t()) + 1e-30
         assert ((y.double() - xq[:rows] @ w.t()).abs() <= bound).all()

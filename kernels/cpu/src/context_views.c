@@ -55,8 +55,8 @@ int64_t pc_plan_views(const pc_decoder_layer *layers, const pc_decoder_shape *s,
     return count;
 }
 
-void pc_fill_view(context_view *view, const pc_step_rows *rows, int64_t bs, int64_t *slots,
-                  int64_t *lens) {
+void pc_fill_view(context_view *view, const pc_step_rows *rows, int64_t bs, int64_t threads,
+                  int64_t *slots, int64_t *lens) {
     const int64_t m = rows->m, width = rows->table_width[view->group];
     const int32_t *tables = rows->block_tables[view->group];
     view->slots = slots;
@@ -72,8 +72,17 @@ void pc_fill_view(context_view *view, const pc_step_rows *rows, int64_t bs, int6
                 (int64_t)tables[r * width + position / bs] * bs + position % bs;
         }
     }
-    int64_t split = 1, seen = m > 0 ? lens[0] : 0;
-    while (split < m - 1 && 2 * seen < total)
-        seen += lens[split++];
-    view->balanced_split = split;
+    /* part i ends at the first row where the rows so far read i / shares of the context (a
+       prefill chunk's later rows read more), each part at least one row */
+    const int64_t shares = threads < m ? threads : m > 0 ? m : 1;
+    view->shares = shares;
+    view->share_rows[0] = 0;
+    int64_t r = 0, seen = 0;
+    for (int64_t i = 1; i < shares; i++) {
+        do
+            seen += lens[r++];
+        while (r < m - (shares - i) && seen * shares < i * total);
+        view->share_rows[i] = r;
+    }
+    view->share_rows[shares] = m;
 }

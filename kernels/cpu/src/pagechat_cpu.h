@@ -115,6 +115,10 @@ typedef struct {
 #define PC_MAX_GROUPS 2
 #define PC_MAX_ROPES 2
 
+/* The most threads a decode stack's call (or a split GEMV) runs on: the calling one and its
+   helpers. */
+#define PC_MAX_THREADS 64
+
 /* One decoder layer as pc_decode_layers reads it. A feature a family lacks is NULL (or 0). */
 typedef struct {
     pc_projection proj[4]; /* qkv, o_proj, gate_up, down */

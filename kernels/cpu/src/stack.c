@@ -1,4 +1,4 @@
-/* A whole decode step's decoder layers in one call, half its work on a helper thread
+/* A whole decode step's decoder layers in one call, its work shared with helper threads
    (helper.c). Compiled once: every kernel it runs comes through a pc_kernels table of the
    versions dispatch.py chose for this CPU.
 
@@ -21,9 +21,10 @@ static inline int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* out = the softmax over both context ranges: each range's output is normalized by its own
-   total, so out = (w1 o1 + w2 o2) / (w1 + w2) with w = total * exp(peak - the larger peak). */
-static void merge_ranges(float *out, const float *other, const float *peaks, const float *totals,
+/* out = the softmax over two context ranges: each range's output is normalized by its own
+   total, so out = (w1 o1 + w2 o2) / (w1 + w2) with w = total * exp(peak - the larger peak);
+   peaks and totals become those of both ranges, so that a third merges the same way. */
+static void merge_ranges(float *out, const float *other, float *peaks, float *totals,
                          const float *other_peaks, const float *other_totals, int64_t num_heads,
                          int64_t head_dim) {
     for (int64_t h = 0; h < num_heads; h++) {
@@ -35,6 +36,8 @@ static void merge_ranges(float *out, const float *other, const float *peaks, con
         const float *p = other + h * head_dim;
         for (int64_t i = 0; i < head_dim; i++)
             o[i] = (w1 * o[i] + w2 * p[i]) * inv;
+        peaks[h] = top;
+        totals[h] = w1 + w2;
     }
 }
 
@@ -83,7 +86,10 @@ static int layers_fit(const pc_decoder_layer *layers, const pc_decoder_shape *s)
     return 1;
 }
 
-#define MIN_CONTEXT_HALF 32 /* a lone sequence's context splits from 64 positions */
+/* a lone sequence's context splits in ranges of 32 positions or more; a projection's rows in
+   shares of a multiple of 16 (a vector of rows) */
+#define MIN_CONTEXT_PART 32
+#define GEMV_GRAIN 16
 
 /* The bytes the projections' inputs take prepared for int8 products: the most any of inputs
    of m rows of these sizes takes (0 where the products take fp32 inputs). */
@@ -97,10 +103,10 @@ static int64_t most_prepared_bytes(const pc_kernels *kernels, int64_t m, const i
     return most;
 }
 
-/* One projection of a layer: y = x w^T, split with the helper where `split` is set; with
-   int8 products its input prepared first, into `prepared`, on this thread. */
+/* One projection of a layer: y = x w^T, its rows split between `threads`; with int8 products
+   its input prepared first, into `prepared`, on this thread. */
 static int64_t project(const pc_kernels *kernels, const pc_projection *w, const float *x, int64_t m,
-                       float *y, int split, uint8_t *prepared, int64_t *matmul_ns) {
+                       float *y, int64_t threads, uint8_t *prepared, int64_t *matmul_ns) {
     const int64_t start = matmul_ns ? now_ns() : 0;
     if (kernels->prepare)
         kernels->prepare(x, m, w->k, prepared);
@@ -113,24 +119,23 @@ static int64_t project(const pc_kernels *kernels, const pc_projection *w, const 
                             .prepared = kernels->prepare ? prepared : NULL,
                             .m = m,
                             .y = y};
-    const int64_t status = pc_run_shared(&part, split, w->n / 2);
+    const int64_t status = pc_run_even(&part, threads, GEMV_GRAIN);
     if (matmul_ns)
         *matmul_ns += now_ns() - start;
     return status;
 }
 
-/* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split with the helper
-   thread where `threads` is 2 and the helper is free (the LM head of a step). */
+/* y [m, n] = x [m, k] w^T through the table's GEMV, its weight rows split between up to
+   `threads` threads where the helpers are free (the LM head of a step). */
 int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
                         int64_t m, float *y, int64_t threads) {
     uint8_t *prepared = NULL;
     if (kernels->prepare && m > 0 &&
         (prepared = malloc((size_t)most_prepared_bytes(kernels, m, &w->k, 1))) == NULL)
         return PC_NO_MEMORY;
-    const int split = threads > 1 && pc_helper_take();
-    const int64_t status = m > 0 ? project(kernels, w, x, m, y, split, prepared, NULL) : PC_OK;
-    if (split)
-        pc_helper_release();
+    const int64_t ours = pc_helpers_take(threads);
+    const int64_t status = m > 0 ? project(kernels, w, x, m, y, ours, prepared, NULL) : PC_OK;
+    pc_helpers_release(ours);
     free(prepared);
     return status;
 }
@@ -195,18 +200,21 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
         max_context = views[v].stride > max_context ? views[v].stride : max_context;
         view_slots += m * views[v].stride + m;
     }
+    /* the threads this call runs on: the slots' views split the attention's rows for them */
+    const int64_t ours = pc_helpers_take(threads);
     /* per row: the normed input, qkv, the attention's output, gate_up, the activation's
-       output, one projection's output; then two threads' scores and a lone row's second
-       half */
+       output, one projection's output; then each thread's scores, and each part of a lone
+       row's context its peaks, totals and (past the first) output */
     const int64_t per_row = h + qkv_size + q_size + 2 * inter + inter + h;
-    float *work =
-        malloc(sizeof(float) * (size_t)(m * per_row + 2 * hq * max_context + 4 * hq + q_size));
+    float *work = malloc(
+        sizeof(float) * (size_t)(m * per_row + ours * hq * max_context + ours * (2 * hq + q_size)));
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)(view_slots + 1));
     /* int8 products: the one buffer each projection's input is prepared into in turn */
     const int64_t input_sizes[3] = {h, q_size, inter};
     const int64_t prepared_size = most_prepared_bytes(kernels, m, input_sizes, 3);
     uint8_t *prepared = prepared_size ? malloc((size_t)prepared_size) : NULL;
     if (work == NULL || slots == NULL || (prepared_size && prepared == NULL)) {
+        pc_helpers_release(ours);
         free(work);
         free(slots);
         free(prepared);
@@ -214,23 +222,21 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
     }
     /* each view's slots from its group's block tables, once a step, read by its layers */
     for (int64_t v = 0, at = 0; v < num_views; v++) {
-        pc_fill_view(&views[v], rows, shape->block_size, slots + at,
+        pc_fill_view(&views[v], rows, shape->block_size, ours, slots + at,
                      slots + at + m * views[v].stride);
         at += m * views[v].stride + m;
     }
     float *normed = work, *qkv = normed + m * h, *attn = qkv + m * qkv_size;
     float *gate_up = attn + m * q_size, *act = gate_up + m * 2 * inter, *proj = act + m * inter;
-    float *scores = proj + m * h;                  /* [2, hq, max_context]: one per thread */
-    float *halves = scores + 2 * hq * max_context; /* peaks and totals of two, the helper's out */
-    const int split = threads > 1 && pc_helper_take();
+    float *scores = proj + m * h;                     /* [ours, hq, max_context] */
+    float *ranges = scores + ours * hq * max_context; /* [ours, 2 hq + q_size] */
     int64_t status = PC_OK; /* a kernel's failure (out of memory) ends the step: see done */
     for (int64_t l = 0; l < shape->num_layers; l++) {
         const pc_decoder_layer *layer = layers + l;
         const context_view *view =
             &views[pc_find_view(views, num_views, layer->group, layer->window)];
         kernels->rms_norm(x, layer->attn_norm, normed, m, h, shape->rms_norm_eps);
-        if ((status =
-                 project(kernels, &layer->proj[0], normed, m, qkv, split, prepared, matmul_ns)))
+        if ((status = project(kernels, &layer->proj[0], normed, m, qkv, ours, prepared, matmul_ns)))
             goto done;
         if (layer->qkv_bias)
             add_bias(qkv, layer->qkv_bias, m, qkv_size);
@@ -253,55 +259,52 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                                         .hkv = hkv,
                                         .d = d,
                                         .scale = shape->scale};
+        work_part parts[PC_MAX_THREADS];
         const int64_t lone_len = m == 1 ? view->lens[0] : 0;
-        if (split && m == 1 && lone_len >= 2 * MIN_CONTEXT_HALF) {
-            /* a lone sequence: each thread half its context, merged */
-            work_part mine = {.kind = PART_ATTENTION_CONTEXT,
-                              .kernels = kernels,
-                              .begin = 0,
-                              .end = lone_len / 2,
-                              .attention = attention};
-            work_part theirs = mine;
-            theirs.begin = lone_len / 2;
-            theirs.end = lone_len;
-            mine.attention.peaks = halves;
-            mine.attention.totals = halves + hq;
-            theirs.attention.peaks = halves + 2 * hq;
-            theirs.attention.totals = halves + 3 * hq;
-            theirs.attention.scores = scores + hq * max_context;
-            theirs.attention.out = halves + 4 * hq;
-            if ((status = pc_run_split(&theirs, &mine)))
-                goto done;
-            merge_ranges(attn, halves + 4 * hq, halves, halves + hq, halves + 2 * hq,
-                         halves + 3 * hq, hq, d);
-        } else {
-            /* each thread its own rows (as much context to read on both sides: a prefill
-               chunk's later rows read more), and its own scores */
-            work_part part = {.kind = PART_ATTENTION_ROWS,
-                              .kernels = kernels,
-                              .begin = 0,
-                              .end = m,
-                              .attention = attention};
-            if (split && m > 1) {
-                work_part theirs = part;
-                theirs.begin = part.end = view->balanced_split;
-                theirs.attention.scores = scores + hq * max_context;
-                status = pc_run_split(&theirs, &part);
-            } else {
-                pc_run_part(&part);
-                status = part.status;
+        const int64_t context_parts =
+            lone_len / MIN_CONTEXT_PART < ours ? lone_len / MIN_CONTEXT_PART : ours;
+        if (context_parts > 1) {
+            /* a lone sequence: each thread a range of its context, merged in order */
+            for (int64_t i = 0; i < context_parts; i++) {
+                float *range = ranges + i * (2 * hq + q_size);
+                parts[i] = (work_part){.kind = PART_ATTENTION_CONTEXT,
+                                       .kernels = kernels,
+                                       .begin = lone_len * i / context_parts,
+                                       .end = lone_len * (i + 1) / context_parts,
+                                       .attention = attention};
+                parts[i].attention.peaks = range;
+                parts[i].attention.totals = range + hq;
+                parts[i].attention.scores = scores + i * hq * max_context;
+                if (i > 0)
+                    parts[i].attention.out = range + 2 * hq;
             }
-            if (status)
+            if ((status = pc_run_parts(parts, context_parts)))
+                goto done;
+            for (int64_t i = 1; i < context_parts; i++) {
+                float *range = ranges + i * (2 * hq + q_size);
+                merge_ranges(attn, range + 2 * hq, ranges, ranges + hq, range, range + hq, hq, d);
+            }
+        } else {
+            /* each thread its own rows, as much context to read for each, and its own scores */
+            for (int64_t i = 0; i < view->shares; i++) {
+                parts[i] = (work_part){.kind = PART_ATTENTION_ROWS,
+                                       .kernels = kernels,
+                                       .begin = view->share_rows[i],
+                                       .end = view->share_rows[i + 1],
+                                       .attention = attention};
+                parts[i].attention.scores = scores + i * hq * max_context;
+            }
+            if ((status = pc_run_parts(parts, view->shares)))
                 goto done;
         }
-        if ((status = project(kernels, &layer->proj[1], attn, m, proj, split, prepared, matmul_ns)))
+        if ((status = project(kernels, &layer->proj[1], attn, m, proj, ours, prepared, matmul_ns)))
             goto done;
         if (layer->o_bias)
             add_bias(proj, layer->o_bias, m, h);
         add_residual(kernels, shape, x, proj, layer->post_attn_norm, m);
         kernels->rms_norm(x, layer->mlp_norm, normed, m, h, shape->rms_norm_eps);
         if ((status =
-                 project(kernels, &layer->proj[2], normed, m, gate_up, split, prepared, matmul_ns)))
+                 project(kernels, &layer->proj[2], normed, m, gate_up, ours, prepared, matmul_ns)))
             goto done;
         const work_part gated = {.kind = PART_GATED,
                                  .kernels = kernels,
@@ -311,14 +314,13 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                                  .y = act,
                                  .inter = inter,
                                  .activation = shape->activation};
-        pc_run_shared(&gated, split, m * inter / 2);
-        if ((status = project(kernels, &layer->proj[3], act, m, proj, split, prepared, matmul_ns)))
+        pc_run_even(&gated, ours, GEMV_GRAIN);
+        if ((status = project(kernels, &layer->proj[3], act, m, proj, ours, prepared, matmul_ns)))
             goto done;
         add_residual(kernels, shape, x, proj, layer->post_mlp_norm, m);
     }
 done:
-    if (split)
-        pc_helper_release();
+    pc_helpers_release(ours);
     free(prepared);
     free(slots);
     free(work);

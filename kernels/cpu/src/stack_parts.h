@@ -8,13 +8,13 @@
 
 #define PC_HIDDEN __attribute__((visibility("hidden")))
 
-/* ---- the helper thread (helper.c) ------------------------------------------------------ */
-/* A second thread for a call's work: each GEMV's weight rows, the attention's rows (or a lone
-   row's context) and the activation's elements are split between the calling thread and this
-   helper. While a call runs the helper spins between parts (a futex wake-up per part, ~120 a
-   step, would cost more than the split saves); between calls it sleeps on a condition
-   variable, so an idle engine leaves the core to the event loop. One call at a time uses it
-   (a second engine in the process runs its call on one thread). */
+/* ---- the helper threads (helper.c) ----------------------------------------------------- */
+/* Helpers for a call's work: each GEMV's weight rows, the attention's rows (or a lone row's
+   context) and the activation's elements are split between the calling thread and up to
+   PC_MAX_THREADS - 1 helpers. While a call runs the helpers spin between parts (a futex
+   wake-up per part, ~120 a step, would cost more than the split saves); between calls they
+   sleep on a condition variable, so an idle engine leaves the cores to the event loop. One
+   call at a time uses them (a second engine in the process runs its call on one thread). */
 
 typedef enum {
     PART_GEMV,              /* weight rows of one projection */
@@ -37,17 +37,20 @@ typedef struct {
     int64_t inter, activation; /* PART_GATED: x is gate_up, y the output */
 } work_part;
 
-/* Takes the helper for one call: 1 if it is ours (started and spinning), 0 where it could
-   not start or another call holds it (then the call runs on one thread). */
-PC_HIDDEN int pc_helper_take(void);
-PC_HIDDEN void pc_helper_release(void);
+/* Takes the helpers for one call: the threads it may run on, the calling one included (1 to
+   `threads`): 1 where none could start or another call holds them. */
+PC_HIDDEN int64_t pc_helpers_take(int64_t threads);
+/* Gives back what pc_helpers_take(...) returned `threads` for. */
+PC_HIDDEN void pc_helpers_release(int64_t threads);
 /* `part` on the calling thread. */
 PC_HIDDEN void pc_run_part(work_part *part);
-/* Runs `theirs` on the helper and `mine` on the calling thread, waits for both, and
-   returns the first status that is not PC_OK (or PC_OK). */
-PC_HIDDEN int64_t pc_run_split(const work_part *theirs, work_part *mine);
-/* `part` whole, or split at `middle` with the helper taking [middle, end); its status. */
-PC_HIDDEN int64_t pc_run_shared(const work_part *part, int split, int64_t middle);
+/* parts[0] on the calling thread, parts[i] on helper i (count at most what
+   pc_helpers_take returned); waits for all, sets each one's status and returns the first
+   that is not PC_OK (or PC_OK). */
+PC_HIDDEN int64_t pc_run_parts(work_part *parts, int64_t count);
+/* `part` cut into at most `threads` even shares, each a multiple of `grain` (the last one
+   the rest), run as pc_run_parts does. */
+PC_HIDDEN int64_t pc_run_even(const work_part *part, int64_t threads, int64_t grain);
 
 /* ---- each layer's view of the rows' contexts (context_views.c) ------------------------- */
 /* The slots a layer reads for each row: its group's pages, from the first position its window
@@ -57,10 +60,11 @@ PC_HIDDEN int64_t pc_run_shared(const work_part *part, int split, int64_t middle
 
 typedef struct {
     int64_t group, window;
-    int64_t *slots;         /* [m, stride]: row r's at slots + r * stride */
-    int64_t *lens;          /* [m]: how many slots each row reads */
-    int64_t stride;         /* the most any row reads */
-    int64_t balanced_split; /* the row where the attention's split gives each thread half */
+    int64_t *slots; /* [m, stride]: row r's at slots + r * stride */
+    int64_t *lens;  /* [m]: how many slots each row reads */
+    int64_t stride; /* the most any row reads */
+    int64_t shares; /* the attention's parts: rows split so that each reads as much */
+    int64_t share_rows[PC_MAX_THREADS + 1]; /* part i takes rows [share_rows[i], [i + 1]) */
 } context_view;
 
 /* The views the layers read (their group and window) into `views`, each with its stride;
@@ -70,9 +74,9 @@ typedef struct {
 PC_HIDDEN int64_t pc_plan_views(const pc_decoder_layer *layers, const pc_decoder_shape *s,
                                 const pc_step_rows *rows, context_view *views);
 /* Each row's slots from its group's block table into the view's (`slots`, `lens`: the view's
-   memory), and the row that splits its reading in halves. */
+   memory), and the rows that split its reading into `threads` parts of as much context. */
 PC_HIDDEN void pc_fill_view(context_view *view, const pc_step_rows *rows, int64_t bs,
-                            int64_t *slots, int64_t *lens);
+                            int64_t threads, int64_t *slots, int64_t *lens);
 /* The view of `group` and `window` among `count`, or -1. */
 PC_HIDDEN int64_t pc_find_view(const context_view *views, int64_t count, int64_t group,
                                int64_t window);
