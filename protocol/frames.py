@@ -232,6 +232,8 @@ class Codec:
             return self._json.decode(payload)
         except msgspec.DecodeError as exc:
             raise FrameError(ErrorCode.BAD_FRAME, f"invalid frame: {exc}") from None
+        except RecursionError:  # the decoder's own bound on nesting
+            raise FrameError(ErrorCode.BAD_FRAME, "invalid frame: it nests too deeply") from None
 
     def encode(self, frame: ServerFrame) -> dict[str, str | bytes]:
         """The ASGI `websocket.send` message for `frame`."""

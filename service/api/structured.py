@@ -9,12 +9,18 @@ wrong. Whether the schema or grammar itself can be matched is the engine's to sa
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from protocol.frames import ResponseFormat
+from service.api.nesting import nesting_message, too_deep
 from service.engine.params import StructuredOutput
+
+# A regex or grammar a client writes. Their compile time grows faster than their length
+# (a 50,000-character regex of nested stars takes seconds and gigabytes); grammars people
+# write are a few thousand characters.
+MAX_GRAMMAR_CHARS = 16_384
 
 
 class StructuredError(ValueError):
@@ -78,11 +84,11 @@ def from_vllm_fields(
             )
         )
     if guided_regex is not None:
-        asked.append((StructuredOutput(kind="regex", spec=guided_regex), "guided_regex"))
+        asked.append((_text("regex", guided_regex, "guided_regex"), "guided_regex"))
     if guided_choice is not None:
         asked.append((_choice(guided_choice, "guided_choice"), "guided_choice"))
     if guided_grammar is not None:
-        asked.append((StructuredOutput(kind="grammar", spec=guided_grammar), "guided_grammar"))
+        asked.append((_text("grammar", guided_grammar, "guided_grammar"), "guided_grammar"))
     if len(asked) > 1:
         names = ", ".join(param for _, param in asked)
         raise StructuredError(
@@ -103,17 +109,15 @@ def _from_outputs(outputs: StructuredOutputs) -> list[tuple[StructuredOutput, st
             )
         )
     if outputs.regex is not None:
-        found.append(
-            (StructuredOutput(kind="regex", spec=outputs.regex), "structured_outputs.regex")
-        )
+        param = "structured_outputs.regex"
+        found.append((_text("regex", outputs.regex, param), param))
     if outputs.choice is not None:
         found.append(
             (_choice(outputs.choice, "structured_outputs.choice"), "structured_outputs.choice")
         )
     if outputs.grammar is not None:
-        found.append(
-            (StructuredOutput(kind="grammar", spec=outputs.grammar), "structured_outputs.grammar")
-        )
+        param = "structured_outputs.grammar"
+        found.append((_text("grammar", outputs.grammar, param), param))
     if outputs.json_object:
         found.append((StructuredOutput(kind="json_object"), "structured_outputs.json_object"))
     if not found:
@@ -139,6 +143,15 @@ def closed(schema: Any) -> Any:
     return out
 
 
+def _text(kind: Literal["regex", "grammar"], text: str, param: str) -> StructuredOutput:
+    """A regex or a grammar as the client wrote it, within MAX_GRAMMAR_CHARS."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise StructuredError(
+            f"{param} has {len(text)} characters; at most {MAX_GRAMMAR_CHARS}", param
+        )
+    return StructuredOutput(kind=kind, spec=text)
+
+
 def _choice(choices: list[str], param: str) -> StructuredOutput:
     if not choices or not all(choices):
         raise StructuredError(f"{param} must be a non-empty list of non-empty strings", param)
@@ -153,4 +166,8 @@ def _schema_text(schema: dict[str, Any] | bool | str, param: str) -> str:
             schema = json.loads(schema)
         except ValueError:
             raise StructuredError(f"{param}: the JSON Schema is not valid JSON", param) from None
+        except RecursionError:
+            raise StructuredError(f"{param}: {nesting_message()}", param) from None
+        if too_deep(schema):  # NOTE (nesting): text the body's own check did not see into
+            raise StructuredError(f"{param}: {nesting_message()}", param)
     return json.dumps(schema, separators=(",", ":"))

@@ -489,9 +489,9 @@ class LLMEngine:
             if seq.counts is not None:
                 seq.counts.add(token.token_id)
             if seq.grammar is not None and not seq.grammar.accept(token.token_id):
-                log.error(
-                    "request %s: token %d is outside its grammar (%s); the answer ends here",
-                    seq.request_id, token.token_id, seq.grammar.error,
+                log.warning(
+                    "request %s: its grammar broke off at token %d (%s); the answer ends "
+                    "with an error", seq.request_id, token.token_id, seq.grammar.error,
                 )  # fmt: skip
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -571,8 +571,11 @@ class LLMEngine:
         request = self._requests[seq.request_id]
         checker = request.stop_checkers[seq.sample_index]
         text, reason = checker.push(token_id, seq.num_output_tokens)
-        if reason is None and seq.grammar is not None and seq.grammar.is_finished:
-            reason = FinishReason.STOP  # the grammar is complete (or broken): nothing follows
+        error = None
+        if seq.grammar is not None and (error := seq.grammar.error) is not None:
+            reason = FinishReason.ERROR  # the text does not match: never a `stop`
+        elif reason is None and seq.grammar is not None and seq.grammar.is_finished:
+            reason = FinishReason.STOP  # the grammar is complete: nothing follows
             text += checker.flush()
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
@@ -598,6 +601,7 @@ class LLMEngine:
             num_loaded_tokens=seq.num_loaded_tokens,
             num_output_tokens=seq.num_output_tokens,
             first_scheduled_time=seq.first_scheduled_time,
+            error=error,
         )
 
 

@@ -14,33 +14,30 @@ anything is picked.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import llguidance
 import torch
-from llguidance.gbnf_to_lark import any_to_lark  # GBNF as Lark; Lark as it is
 
+from service.engine.grammar_specs import JSON_OPTIONS as JSON_OPTIONS  # benchmarks read it
+from service.engine.grammar_specs import grammar_text, one_line
 from service.engine.params import StructuredOutput
 from service.engine.tokenizer import Tokenizer
 from service.engine.values import GrammarError
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
-
-# Compact JSON with the spaces Python's json.dumps writes (", " and ": "), which is what
-# models have read most: never a run of whitespace, which a small model can repeat until the
-# answer's length runs out.
-JSON_OPTIONS: JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
 _CACHE_SIZE = 256
+# llguidance's own limits at their defaults, but for its messages: without the parser's state
+# and the grammar's text, which are the engine's insides (and can be long).
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# NOTE (probe): llguidance meets some of its limits only a few tokens into an answer (a row
+# of more Earley items than it keeps, a forced run too long to compute, a regex's lexer
+# outgrowing its states), and a grammar that matches no text at all shows only when its first
+# mask is computed. A compiled grammar is followed this many tokens from its start, along the
+# first token it allows each time, so that those are refused before any answer begins.
+PROBE_TOKENS = 8
 
 
 class GrammarMatcher:
@@ -67,7 +64,8 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        """Why the matcher broke (one line, bounded: fit for a log line or a client)."""
+        return one_line(self._matcher.get_error(), 200) if self._matcher.is_error() else None
 
 
 class GrammarCompiler:
@@ -83,6 +81,7 @@ class GrammarCompiler:
             n_vocab=vocab_size,
             eos_token=list(tokenizer.eos_token_ids),
         )
+        self._eos = frozenset(tokenizer.eos_token_ids)
         self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -100,52 +99,43 @@ class GrammarCompiler:
                 return hit
         # Compiling drops the GIL (llguidance); two threads compiling one grammar at once
         # only do the work twice.
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_text(structured), log_level=0)
+        grammar = grammar_text(structured)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
-            raise GrammarError(_one_line(matcher.get_error()))
+            raise GrammarError(one_line(matcher.get_error()))
+        if (problem := self._probe(matcher)) is not None:
+            raise GrammarError(problem)
         with self._lock:
             self._cache[structured] = matcher
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return matcher
 
-
-def grammar_text(structured: StructuredOutput) -> str:
-    """llguidance's grammar for `structured`; GrammarError for a spec that is not one."""
-    kind, spec = structured.kind, structured.spec
-    try:
-        if kind == "json":
-            schema = json.loads(spec)
-            if schema is True:
-                schema = {}  # JSON Schema's true: any value
-            if not isinstance(schema, dict):
-                raise GrammarError("a JSON Schema is an object (or true)")
-            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS))
-        if kind == "json_object":
-            return str(
-                llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
-            )
-        if kind == "regex":
-            return str(llguidance.LLMatcher.grammar_from_regex(spec))
-        if kind == "choice":
-            choices = json.loads(spec)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise GrammarError("choice is a non-empty list of non-empty strings")
-            # JSON's string literals are Lark's: each choice matched exactly as written.
-            return str(llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in choices)
-            ))  # fmt: skip
-        return str(llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec)))
-    except (ValueError, TypeError) as exc:  # json's errors and llguidance's
-        if isinstance(exc, GrammarError):
-            raise
-        raise GrammarError(_one_line(str(exc))) from None
+    def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
+        """What keeps a copy of `matcher` from following its grammar PROBE_TOKENS tokens
+        from the start (NOTE (probe)); None: nothing."""
+        probe = matcher.deep_copy()
+        for step in range(PROBE_TOKENS):
+            allowed = torch.frombuffer(bytearray(probe.compute_bitmask()), dtype=torch.uint8)
+            if probe.is_error():
+                return _limit_message(probe.get_error(), step)
+            bits = (allowed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [bytes, 8]
+            ids = [i for i in bits.flatten().nonzero().flatten().tolist() if i not in self._eos]
+            if not ids:  # only the end is allowed
+                if step == 0 and not probe.is_accepting():
+                    return "no text matches it"
+                return None
+            if not probe.consume_token(ids[0]):
+                return _limit_message(probe.get_error(), step)
+        return None
 
 
-def _one_line(message: str) -> str:
-    """llguidance's message on one line, short enough for an error body."""
-    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
-    return (text[:300] + "...") if len(text) > 300 else text or "invalid grammar"
+def _limit_message(error: str, step: int) -> str:
+    """llguidance's message for a grammar it cannot follow `step` tokens in."""
+    if step == 0 and "NoExtensionBias" in error:  # its first mask allows not even the end
+        return "no text matches it"
+    where = "from its start" if step == 0 else f"{step} tokens into an answer"
+    return f"the grammar engine cannot follow it {where}: {one_line(error, 200)}"
 
 
 class TokenBitmasks:

@@ -12,6 +12,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 DEFAULT_MAX_TOKENS = 512
 
 
+# How deep a JSON Schema (or any JSON a request hands on to be walked) may nest: deeper than
+# any model's schema, and far short of what would exhaust a recursive walk of it.
+MAX_SCHEMA_DEPTH = 100
+
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 

@@ -84,6 +84,10 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    # The answer's grammar broke off: the matcher met one of its limits mid-answer (the
+    # probe catches most before an answer starts: service/engine/grammar.py). The text so far
+    # does not match; `RequestOutput.error` says why.
+    ERROR = "error"
 
 
 @dataclass(slots=True)
@@ -104,6 +108,7 @@ class RequestOutput:
     num_output_tokens: int
     # When the request was first admitted (time.monotonic()); queue time ends here.
     first_scheduled_time: float | None = None
+    error: str | None = None  # why it ended, with finish_reason ERROR
 
 
 # The engine's shape

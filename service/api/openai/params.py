@@ -9,6 +9,7 @@ import msgspec
 
 from protocol.frames import ResponseFormat
 from service.api.limits import Limits
+from service.api.nesting import nesting_message, too_deep
 from service.api.openai.errors import context_exceeded, decode_error, invalid, model_not_found
 from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
 from service.api.structured import (
@@ -99,6 +100,10 @@ def decode_fields(body: bytes, kind: type[Request], what: str, served: tuple[str
         req = msgspec.json.decode(body, type=kind)
     except msgspec.DecodeError as exc:
         raise decode_error(exc, what) from None
+    except RecursionError:  # the decoder's own bound on nesting
+        raise invalid(f"not a valid {what}: {nesting_message()}", None, "bad_request") from None
+    if too_deep(req):  # NOTE (nesting) in service/api/nesting.py
+        raise invalid(f"not a valid {what}: {nesting_message()}", None, "bad_request")
     if req.model is not None and req.model not in served:
         raise model_not_found(req.model, served)
     refuse_penalties(req)

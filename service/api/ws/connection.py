@@ -43,6 +43,7 @@ from protocol.frames import (
 from service.api.access.gate import Gate, bearer, client_address
 from service.api.admission import Admission
 from service.api.limits import Limits
+from service.api.nesting import nesting_message, too_deep
 from service.api.observability.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
 from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
@@ -203,6 +204,8 @@ class ChatConnection:
                 frame = self._codec.decode(
                     message.get("text"), message.get("bytes"), limits.max_frame_bytes
                 )
+                if too_deep(frame):  # NOTE (nesting) in service/api/nesting.py
+                    raise FrameError(ErrorCode.BAD_FRAME, f"invalid frame: {nesting_message()}")
                 await self._dispatch(frame, time.monotonic())
             except (FrameError, Refusal) as exc:  # a refused frame ends it only if fatal
                 error = refusal_frame(exc) if isinstance(exc, Refusal) else exc

@@ -217,6 +217,8 @@ class Turn:
                         logprobs=out.logprobs if want_logprobs else None,
                     )
                 )
+                if out.finish_reason is EngineFinishReason.ERROR:
+                    raise GrammarBrokeOff(out.num_output_tokens, out.error or "")
 
     def _outcome(self, pump: asyncio.Task[None]) -> tuple[FinishReason, Exception | None]:
         """Why the answer ended, and the error to report after storing it (None: no error)."""
@@ -226,7 +228,9 @@ class Turn:
         if isinstance(exc, ClientGone):
             return FinishReason.DISCONNECTED, None
         failure: Exception
-        if isinstance(exc, RequestError):
+        if isinstance(exc, GrammarBrokeOff):
+            failure = FrameError(ErrorCode.INVALID_PARAMS, str(exc))
+        elif isinstance(exc, RequestError):
             failure = FrameError(ErrorCode.CONTEXT_LENGTH, str(exc))
         elif isinstance(exc, EngineDeadError):
             failure = FrameError(ErrorCode.INTERNAL, str(exc))
@@ -270,6 +274,17 @@ class Turn:
             queue_s=None if scheduled is None else max(0.0, scheduled - self.received),
             ttft_s=None if first is None else first - self.received,
             total_s=total,
+        )
+
+
+class GrammarBrokeOff(Exception):
+    """The answer's grammar broke off mid-answer (the engine's finish reason ERROR): its text
+    does not match, so the turn is stored as `error` and reported as `invalid_params`."""
+
+    def __init__(self, tokens: int, why: str) -> None:
+        super().__init__(
+            f"params.response_format: the answer broke off after {tokens} tokens, where the "
+            f"grammar engine could not follow it further: {why}"
         )
 
 
