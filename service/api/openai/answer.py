@@ -17,7 +17,7 @@ from service.api.observability.metrics import Metrics
 from service.api.openai.chat_request import ChatCompletionRequest, request_tools
 from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError, invalid
-from service.api.openai.params import StreamOptions
+from service.api.openai.params import StreamOptions, structured_output
 from service.api.openai.tools import CallStream, Tools, read_calls
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
@@ -111,6 +111,8 @@ class Answer:
                     self._count(out)
                     texts[out.index] += out.new_text
                     logprobs[out.index] += self._logprobs(out)
+                    if out.finish_reason is FinishReason.ERROR:
+                        return self._broken(out).response()  # the other samples abort
                     if out.finished:
                         reasons[out.index] = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
@@ -156,6 +158,11 @@ class Answer:
                             yield chunk
                         if reason == "stop" and calls[out.index].called:
                             reason = "tool_calls"
+                    if out.finish_reason is FinishReason.ERROR:  # no calls read from it
+                        choice = self._choice(out.index, "", logprobs, reason)
+                        yield self._chunk([choice], every_chunk)
+                        yield _event(self._broken(out).body())
+                        return  # the other samples abort
                     if text or reason or logprobs:
                         choice = self._choice(out.index, text, logprobs, reason)
                         yield self._chunk([choice], every_chunk)
@@ -165,6 +172,17 @@ class Answer:
         if final_usage:
             yield self._chunk([], with_usage=True)
         yield b"data: [DONE]\n\n"
+
+    def _broken(self, out: RequestOutput) -> OpenAIError:
+        """The answer's grammar broke off mid-answer (the engine's finish reason ERROR): a
+        400 naming the field that asked for it, since the text does not match."""
+        asked = structured_output(self.req)
+        param = asked[1] if asked else "tools"  # else the grammar of a forced tool call
+        return invalid(
+            f"{param}: the answer broke off after {out.num_output_tokens} tokens, where the "
+            f"grammar engine could not follow it further: {out.error}",
+            param,
+        )
 
     def _choice(
         self,
@@ -189,8 +207,9 @@ class Answer:
         """A whole answer's calls as its message's tool_calls (finish reason tool_calls)."""
         message = choice["message"]
         found = read_calls(message["content"], tools)
+        message["content"] = found.content  # never a call cut short
         if found.calls:
-            message["content"], message["tool_calls"] = found.content, found.calls
+            message["tool_calls"] = found.calls
             if choice["finish_reason"] == "stop":
                 choice["finish_reason"] = "tool_calls"
 
@@ -270,6 +289,9 @@ def _failure(exc: Exception, chat: bool) -> OpenAIError:
 
 
 def _finish(reason: FinishReason | None) -> str:
-    """The engine's finish reason in OpenAI's words: `length` is length, `stop` stop. (The
-    engine's `abort` never reaches here: an answer aborts only by leaving its stream.)"""
-    return "length" if reason is FinishReason.LENGTH else "stop"
+    """The engine's finish reason in OpenAI's words: `length` is length, `error` error (a
+    grammar broken off), `stop` stop. (The engine's `abort` never reaches here: an answer
+    aborts only by leaving its stream.)"""
+    if reason is FinishReason.LENGTH:
+        return "length"
+    return "error" if reason is FinishReason.ERROR else "stop"

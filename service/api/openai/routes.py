@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from service.api.openai.chat_request import (
     chat_params,
     decode_request,
     render_prompt,
+    request_tools,
 )
 from service.api.openai.completion_request import (
     CompletionRequest,
@@ -48,7 +50,8 @@ from service.api.openai.completion_request import (
 from service.api.openai.errors import OpenAIError, invalid, model_not_found, refusal_error
 from service.api.openai.params import structured_output
 from service.api.openai.sse import EventStream, until_disconnected
-from service.engine.params import SamplingParams
+from service.api.openai.tools import Tools, parameters_of
+from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.serving import ServingEngine
 from service.engine.values import CacheScope, GrammarError
 from service.sessions.prompt import ChatFormat
@@ -208,15 +211,39 @@ class OpenAIRoutes:
 
 
 async def _check_structured(engine: ServingEngine, req: AnyRequest, params: SamplingParams) -> None:
-    """A 400 naming the field whose schema, regex or grammar cannot be matched."""
+    """A 400 naming the field whose schema, regex or grammar cannot be matched: for forced
+    tool calls, the function whose parameters cannot be (each is checked on its own first, so
+    that no message shows the call grammar built around them)."""
     if params.structured is None:
         return
+    asked = structured_output(req)
+    if asked is None and isinstance(req, ChatCompletionRequest):
+        await _check_tool_parameters(engine, request_tools(req))
     try:
         await engine.check_structured(params.structured)
     except GrammarError as exc:
-        asked = structured_output(req)
-        param = asked[1] if asked else None
+        if asked is None:  # the call grammar around parameters that each compile
+            log.info("a call grammar was refused: %s", exc)
+            raise invalid(
+                "tools: the answer cannot be constrained to calls of these functions together",
+                "tools",
+            ) from None
+        param = asked[1]
         raise invalid(f"{param}: cannot constrain the answer to it: {exc}", param) from None
+
+
+async def _check_tool_parameters(engine: ServingEngine, tools: Tools) -> None:
+    for i, function in enumerate(tools.functions):
+        if tools.named not in (None, function.name):
+            continue
+        schema = StructuredOutput(kind="json", spec=json.dumps(parameters_of(function)))
+        try:
+            await engine.check_structured(schema)
+        except GrammarError as exc:
+            param = f"tools[{i}].function.parameters"
+            raise invalid(
+                f"{param}: cannot constrain the calls' arguments to it: {exc}", param
+            ) from None
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

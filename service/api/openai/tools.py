@@ -32,6 +32,10 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _MISTRAL_CALLS = "[TOOL_CALLS]"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# The JSON inside a call is written as response_format's is (service/engine/grammar_specs.py's
+# JSON_OPTIONS, which a test holds this to): compact, with Python's separators, so a model
+# cannot spend its tokens on newlines and runs of spaces.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class FunctionDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -165,29 +169,49 @@ def response_text(content: str) -> str:
 def call_grammar(tools: Tools) -> StructuredOutput:
     """The answer as calls only (tool_choice "required" or named): one call, or several with
     parallel_tool_calls, each `{"name", "arguments"}` with the arguments its function's
-    parameters accept."""
+    parameters accept, as compact as response_format's JSON."""
     chosen = [f for f in tools.functions if tools.named in (None, f.name)]
-    calls = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f.name},
-                    "arguments": f.parameters or {"type": "object", "properties": {}},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for f in chosen
-        ]
-    }
     repeat = ' ("\\n" call)*' if tools.parallel and tools.named is None else ""
+    bodies = " | ".join(f"body{i}" for i in range(len(chosen)))
     lark = (
-        f"start: call{repeat}\n"
-        f'call: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n'
-        f"body: %json {json.dumps(calls)}\n"
-    )
+        f'start: call{repeat}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\nbody: {bodies}\n'
+    ) + "".join(f"body{i}: %json {json.dumps(_call_schema(f))}\n" for i, f in enumerate(chosen))
     return StructuredOutput(kind="grammar", spec=lark)
+
+
+def parameters_of(function: FunctionDef) -> dict[str, Any]:
+    """The JSON Schema of a function's arguments (none given: an empty object)."""
+    return function.parameters or {"type": "object", "properties": {}}
+
+
+def _call_schema(function: FunctionDef) -> dict[str, Any]:
+    """One call of `function`. Its parameters' own references (`#/$defs/...`, `#`: how
+    pydantic writes a nested model or an enum) are rebased onto where they now stand, under
+    the call's `arguments`."""
+    arguments = _rebased(parameters_of(function), "#/properties/arguments")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": COMPACT_JSON,
+    }
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#...") moved under `base`. (Recursive: a request
+    nests no deeper than service/api/nesting.py's bound.)"""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        else:
+            out[key] = _rebased(value, base)
+    return out
 
 
 @dataclass(slots=True)
@@ -214,8 +238,9 @@ def read_calls(text: str, tools: Tools) -> FoundCalls:
             rest.append(text[last : match.start()])
             last = match.end()
         tail = text[last:]
-        if found and CALL_OPEN in tail:  # a call cut short (max_tokens): not content
-            tail = tail[: tail.index(CALL_OPEN)]
+        cut = tail.rfind(CALL_OPEN)
+        if cut >= 0 and CALL_CLOSE not in tail[cut:]:  # a call cut short (max_tokens)
+            tail = tail[:cut]
         rest.append(tail)
         content = "".join(rest)
     elif text.lstrip().startswith(_MISTRAL_CALLS):
@@ -239,8 +264,10 @@ def read_calls(text: str, tools: Tools) -> FoundCalls:
         }
         for name, arguments in found
     ]
+    if tools.constrained:  # its grammar allows calls only: whatever else is one cut short
+        content = ""
     if not entries:
-        return FoundCalls(text, [], text)
+        return FoundCalls(content or None, [], content)
     return FoundCalls(content.strip() or None, entries, content)
 
 
@@ -299,11 +326,13 @@ class CallStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left to stream as content, and the calls."""
         streamed = self._text[: self._streamed]
-        found = read_calls(self._text, self._tools) if self._calling else None
-        if found is None or not found.calls:  # no call after all: the rest is content
+        if not self._calling:
             return self._text[self._streamed :], []
-        self.called = True
+        found = read_calls(self._text, self._tools)  # a call cut short is not in `outside`
         rest = found.outside[len(streamed) :] if found.outside.startswith(streamed) else ""
+        if not found.calls:
+            return rest, []
+        self.called = True
         return ("" if not rest.strip() else rest.rstrip()), found.calls
 
 
