@@ -179,7 +179,7 @@ class Answer:
         asked = structured_output(self.req)
         param = asked[1] if asked else "tools"  # else the grammar of a forced tool call
         return invalid(
-            f"{param}: the answer broke off after {out.num_output_tokens} tokens, where the "
+            f"{param}: the answer broke off after {_tokens(out.num_output_tokens)}, where the "
             f"grammar engine could not follow it further: {out.error}",
             param,
         )
@@ -286,6 +286,10 @@ def _failure(exc: Exception, chat: bool) -> OpenAIError:
     if isinstance(exc, RequestError):  # the engine refused the prompt (its context)
         return invalid(str(exc), "messages" if chat else "prompt", "context_length_exceeded")
     return OpenAIError(503, str(exc), "engine_unavailable")
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
 
 
 def _finish(reason: FinishReason | None) -> str:

@@ -283,7 +283,8 @@ class GrammarBrokeOff(Exception):
 
     def __init__(self, tokens: int, why: str) -> None:
         super().__init__(
-            f"params.response_format: the answer broke off after {tokens} tokens, where the "
+            f"params.response_format: the answer broke off after {tokens} token"
+            f"{'' if tokens == 1 else 's'}, where the "
             f"grammar engine could not follow it further: {why}"
         )
 
