@@ -12,6 +12,7 @@ arguments match their schema, and the history of calls and results goes back in.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
 from collections.abc import Iterator
@@ -335,3 +336,96 @@ def test_litellm_with_tools(server: ServerProcess) -> None:
     assert response.choices[0].finish_reason == "tool_calls"
     assert call.function.name in {"get_weather", "get_time"}
     assert json.loads(call.function.arguments)["city"]
+
+
+class Unit(enum.Enum):
+    CELSIUS = "celsius"
+    FAHRENHEIT = "fahrenheit"
+
+
+class Town(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=30)
+    country: str = pydantic.Field(max_length=30)
+
+
+class Forecast(pydantic.BaseModel):
+    """A nested model and an enum: pydantic writes them as $defs and $refs, as instructor's
+    Mode.TOOLS sends them (instructor is not installed here: the same request, by the SDK)."""
+
+    town: Town
+    unit: Unit
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tools_with_defs_and_refs_are_called_ten_times_in_ten(
+    client: openai.OpenAI, choice: str
+) -> None:
+    tool = openai.pydantic_function_tool(Forecast)
+    assert "$defs" in json.dumps(tool)  # what broke: refs resolved against the call grammar
+    named = {"type": "function", "function": {"name": "Forecast"}}
+    tool_choice: Any = "required" if choice == "required" else named
+    for seed in range(10):
+        answer = client.chat.completions.create(
+            model="pagechat", messages=[{"role": "user", "content": "Forecast for Oslo?"}],
+            tools=[tool], tool_choice=tool_choice, parallel_tool_calls=False,
+            temperature=1.0, seed=seed, max_tokens=120,
+        )  # fmt: skip
+        choice_ = answer.choices[0]
+        assert choice_.finish_reason == "tool_calls", choice_
+        (call,) = choice_.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "Forecast"
+        Forecast.model_validate_json(call.function.arguments)
+        assert "\n" not in call.function.arguments and "  " not in call.function.arguments
+
+
+def test_tools_with_defs_and_refs_under_auto_are_offered_and_read(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(
+        model="pagechat", messages=[{"role": "user", "content": "Forecast for Oslo?"}],
+        tools=[openai.pydantic_function_tool(Forecast)], temperature=0.0, max_tokens=60,
+    )  # fmt: skip
+    message = answer.choices[0].message
+    for call in message.tool_calls or []:  # the bundled model rarely calls by itself
+        Forecast.model_validate_json(call.function.arguments)
+    assert message.content or message.tool_calls
+
+
+def test_a_tool_parameters_refusal_names_the_tool_and_shows_no_call_grammar(
+    client: openai.OpenAI,
+) -> None:
+    unique = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}
+    bad = {"type": "function", "function": {"name": "ids", "parameters": unique}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="pagechat", messages=ASK, tools=[*TOOLS, bad], tool_choice="required"
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "tools[2].function.parameters", error
+    assert "uniqueItems" in error["message"]
+    for inside in ("<tool_call>", "%json", "start:", "None:"):
+        assert inside not in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_never_content(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    for max_tokens in (1, 2, 4, 7, 11, 16, 24):
+        kwargs: Any = dict(
+            model="pagechat", messages=ASK, tools=TOOLS, max_tokens=max_tokens,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=1.0, seed=max_tokens,
+        )  # fmt: skip
+        if not stream:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            assert choice.finish_reason == "length", choice
+            assert choice.message.content is None and not choice.message.tool_calls, choice
+            continue
+        reasons, content, calls = [], "", []
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for delta in chunk.choices:
+                content += delta.delta.content or ""
+                calls += delta.delta.tool_calls or []
+                if delta.finish_reason:
+                    reasons.append(delta.finish_reason)
+        assert reasons == ["length"] and content == "" and not calls, (max_tokens, content)

@@ -12,7 +12,14 @@ import pytest
 from service.api.limits import Limits
 from service.api.openai.chat_request import chat_params, decode_request, render_prompt
 from service.api.openai.errors import OpenAIError
-from service.api.openai.tools import CallStream, Tools, call_grammar, read_calls, tools_of
+from service.api.openai.tools import (
+    COMPACT_JSON,
+    CallStream,
+    Tools,
+    call_grammar,
+    read_calls,
+    tools_of,
+)
 from service.engine.grammar import GrammarCompiler
 from service.sessions.prompt import ChatFormat
 from tests.tiny_model import gguf_tokenizer
@@ -159,8 +166,13 @@ def test_the_call_grammar_takes_calls_of_the_tools_with_valid_arguments_only(
             None,
             [("get_time", {})],
         ),
+        (  # a first call cut short: dropped, whatever came before it stays
+            'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+            "Let me look.\n",
+            [],
+        ),
     ],
-    ids=["text", "hermes", "two", "llama", "mistral", "unknown", "broken", "cut"],
+    ids=["text", "hermes", "two", "llama", "mistral", "unknown", "broken", "cut", "cut-first"],
 )
 def test_calls_are_read_in_each_familys_format(
     text: str, content: str | None, calls: list[tuple[str, Any]]
@@ -206,3 +218,67 @@ def test_streaming_in_any_pieces_gives_what_reading_the_whole_gives(text: str) -
         content, calls = stream(TOOLS, [text[i : i + size] for i in range(0, len(text), size)])
         assert (content.strip() or None) == (whole.content.strip() if whole.content else None)
         assert [c["function"] for c in calls] == [c["function"] for c in whole.calls]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 5, 12, 30, 60])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_call_cut_anywhere_is_never_content(cut: int, choice: Any) -> None:
+    """The answer of a forced call is calls only: cut at any character (max_tokens), it has
+    no content, whole or streamed."""
+    forced = tools_of([WEATHER, TIME], choice, None)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+    text = (call + "\n</tool_call>")[:cut]
+    found = read_calls(text, forced)
+    assert found.content is None and found.calls == []
+    content, calls = stream(forced, [text[i : i + 4] for i in range(0, len(text), 4)])
+    assert content == "" and calls == []
+
+
+PLACE = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+NESTED = {  # as pydantic writes a nested model and an enum: $defs and $refs to them
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}, "Place": PLACE},
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}, "days": {"type": "integer"}},
+            "required": ["place", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "forecast"}}]
+)
+def test_the_call_grammar_follows_refs_to_the_parameters_own_defs_compactly(choice: Any) -> None:
+    tokenizer = gguf_tokenizer()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    grammar = call_grammar(tools_of([NESTED, TIME], choice, False))
+    compiler.check(grammar)  # before: the $refs were looked up in the call grammar's root
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(grammar)
+        return all(matcher.accept(t) for t in tokenizer.encode(text))
+
+    call = '{"name": "forecast", "arguments": {"place": {"city": "Oslo", "unit": "c"}, "days": 2}}'
+    assert accepts(f"<tool_call>\n{call}\n</tool_call>")
+    wrong_unit = call.replace('"c"', '"k"')
+    assert not accepts(f"<tool_call>\n{wrong_unit}\n</tool_call>")
+    spaced = call.replace(": {", ":  {").replace(", ", ",\n  ")  # what response_format refuses
+    assert not accepts(f"<tool_call>\n{spaced}\n</tool_call>")
+
+
+def test_calls_are_written_with_response_formats_json_options() -> None:
+    from service.engine.grammar_specs import JSON_OPTIONS
+
+    assert COMPACT_JSON == JSON_OPTIONS
