@@ -223,12 +223,35 @@ def run_all_one(engine: LLMEngine, prompt: list[int], params: SamplingParams) ->
         (StructuredOutput(kind="regex", spec="[a-"), "regex"),
         (StructuredOutput(kind="grammar", spec="start: nothing_here"), "nothing_here"),
         (StructuredOutput(kind="choice", spec="[]"), "non-empty"),
+        (StructuredOutput(kind="regex", spec="[^\\s\\S]"), "no text matches it"),
+        (StructuredOutput(kind="regex", spec="ab\\"), "lone backslash"),
+        (StructuredOutput(kind="grammar", spec='start: "a" start'), "cannot follow it"),
+        (StructuredOutput(kind="grammar", spec="root ::= undefined"), "undefined"),
     ],
-    ids=["unimplemented", "not-an-object", "not-json", "regex", "grammar", "choice"],
-)
+    ids=["unimplemented", "not-an-object", "not-json", "regex", "grammar", "choice",
+         "matches-nothing", "lone-backslash", "no-end", "gbnf-undefined"],
+)  # fmt: skip
 def test_what_cannot_be_matched_is_refused_when_added(
     engine: LLMEngine, structured: StructuredOutput, says: str
 ) -> None:
     with pytest.raises(RequestError, match=re.escape(says)):
         engine.add_request("bad", [1, 2, 3], SamplingParams(structured=structured))
     assert not engine.has_unfinished_requests()
+
+
+def test_an_answer_whose_grammar_breaks_off_ends_with_error_never_stop(engine: LLMEngine) -> None:
+    """x{1000000} outgrows llguidance's lexer a few tokens in; the probe follows `a` (the
+    smaller id) and passes it, so the answer meets the limit: it ends ERROR, with why."""
+    [a] = engine.tokenizer.encode("a")
+    regex = StructuredOutput(kind="regex", spec="a|x{1000000}")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=30, structured=regex, logit_bias=((a, -100.0),)
+    )
+    engine.add_request("broken", ask(engine, "Write x many times."), params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    last = outputs[-1]
+    assert last.finished and last.finish_reason is FinishReason.ERROR, last
+    assert last.error and "too many" in last.error
+    assert [o.finish_reason for o in outputs[:-1]] == [None] * (len(outputs) - 1)
