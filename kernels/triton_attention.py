@@ -116,7 +116,7 @@ def _attend_tile(
     K and V are both loaded [N, D] through one offset vector (the caches share strides), so
     the block ids are loaded and turned into addresses once; OFFSETS_32 keeps that arithmetic
     in int32 when the host knows every offset fits. Together they cut the loop body's
-    instructions by about a third on sm_90 (SASS of Triton 3.6), see docs/perf.md.
+    instructions by about a third on sm_90 (SASS of Triton 3.6), see docs/perf-history.md.
     """
     dims = tl.arange(0, HEAD_DIM)
     kpos = start + tl.arange(0, TILE_N)  # [N]

@@ -28,7 +28,7 @@ docs/perf.md, not repeated here:
 - max_num_batched_tokens 512: bounds how long decoding sessions wait behind a new prompt's
   prefill chunk (docs/perf-history.md, "Measured before the project").
 - cuda_graphs on: without them a decode step of a small batch on a GPU is bound by the host's
-  launch time (docs/perf.md, "Kernels on a GPU: `benchmarks/kernels.py`"); the CPU ignores
+  launch time (docs/perf-history.md, "Kernels on a GPU: `benchmarks/kernels.py`"); the CPU ignores
   it.
 """
 

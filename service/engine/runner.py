@@ -355,7 +355,8 @@ class ModelRunner:
 # The most rows a step runs through the native stack (a prefill chunk's tokens count each):
 # it beat the op-by-op path at every size tried (decode: docs/perf-history.md, "The native
 # decode stack (`--decode-threads 1 | 2`), 2026-12-02, Intel Xeon with AVX512-VNNI"; prefill:
-# docs/perf.md, "Prefill through the stack (AMD EPYC Zen 5, 11:30 UTC, commit not recorded)");
+# docs/perf-history.md, "Prefill through the stack (AMD EPYC Zen 5, 11:30 UTC, commit not
+# recorded)");
 # the cap bounds its work area.
 MAX_NATIVE_ROWS = 1024
 # The longest context of a step with prefill chunks the stack takes (decode steps: any). It

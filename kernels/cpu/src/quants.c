@@ -32,20 +32,20 @@
 /* How many weight rows ahead the one-to-four-row products prefetch: the rows they read are
    short runs (a row of k = 640 in Q8_0 is 680 bytes) that the hardware's stream prefetchers do
    not ramp up on, so from memory a large LM head read at a quarter of the machine's bandwidth
-   (docs/perf.md, "Gemma 3 270M against llama-server"). */
+   (docs/perf-history.md, "Gemma 3 270M against llama-server"). */
 #define PREFETCH_ROWS 16
 
 /* Steps of more rows dequantize TILE_J weight rows into L1, then take TILE_R input rows at a
    time against them: TILE_J x TILE_R accumulators in registers, each weight vector loaded
    once per TILE_R rows and each input vector once per TILE_J weight rows. */
 #if defined(PC_ISA_AVX512)
-#define TILE_J 6 /* 24 of the 32 zmm registers accumulate (the fastest shape: docs/perf.md) */
+#define TILE_J 6 /* 24 of the 32 zmm registers accumulate (fastest: docs/perf-history.md) */
 #define TILE_R 4
 #elif defined(PC_ISA_NEON)
 #define TILE_J 4 /* 16 of the 32 q registers */
 #define TILE_R 4
 #elif defined(PC_ISA_AVX2)
-#define TILE_J 3 /* 12 of the 16 ymm registers (the fastest shape: docs/perf.md) */
+#define TILE_J 3 /* 12 of the 16 ymm registers (the fastest shape: docs/perf-history.md) */
 #define TILE_R 4
 #else
 #define TILE_J 2 /* 8 vf, in 16 of SSE2's xmm registers */

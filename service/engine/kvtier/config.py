@@ -53,8 +53,8 @@ class KVTierConfig:
         "raw",
         "how blocks are stored: raw (the pool's bytes: loaded K/V are exactly the computed"
         " ones) | int8 (one float32 scale per token, layer, K/V and head: ~3.8x smaller than"
-        " fp32) | zstd | int8-zstd. A reader decodes any of them; docs/perf.md measured each"
-        " one's bytes and greedy answers",
+        " fp32) | zstd | int8-zstd. A reader decodes any of them; docs/perf-history.md has"
+        " each one's measured bytes and greedy answers",
     )
     max_pending_mb: int = setting(
         256,

@@ -83,9 +83,9 @@ _decode_header = msgspec.msgpack.Decoder(Header).decode
 
 def checksum(payload: bytes | memoryview) -> int:
     """CRC-32: it catches what storage does to bytes (flips, cuts, stale files), several times
-    faster than blake2b (docs/perf.md, "The third KV tier's storage options"); it is no defence
-    against someone who can write the tier, who could as well write any K/V with a matching
-    checksum."""
+    faster than blake2b (docs/perf-history.md, "The third KV tier's storage options"); it is
+    no defence against someone who can write the tier, who could as well write any K/V with a
+    matching checksum."""
     return zlib.crc32(payload)
 
 
