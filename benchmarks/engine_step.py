@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu import topology
 from kernels.cpu.dispatch import cpu_description
 from kernels.cpu.stack import DecoderStack
 from service.engine.config import EngineConfig, dtype_name
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.synthetic:
         return synthetic_main(args)
 
-    bandwidth_threads = max(args.decode_threads)
+    # 0 is the engine's default: one decode thread per physical core it may run on.
+    bandwidth_threads = max(t or topology.usable_physical_cores() for t in args.decode_threads)
     bandwidth = read_bandwidth(bandwidth_threads, args.bandwidth_mib << 20)
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
     for weights, isa, inputs, threads, decode_threads in itertools.product(

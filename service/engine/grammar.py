@@ -2,7 +2,7 @@
 a list of choices, or a grammar.
 
 llguidance does the matching (chosen over xgrammar on measurements: benchmarks/
-grammar_backends.py and docs/perf.md; it has no dependencies, compiles a schema in about a
+grammar_backends.py and docs/perf.md, structured output; it has no dependencies, compiles a schema in about a
 millisecond where xgrammar's slow cases take hundreds, and its token masks stay fast without
 a per-vocabulary cache). One `GrammarCompiler` per engine owns the tokenizer's trie and a cache
 of compiled grammars keyed by what was asked; each sequence owns a `GrammarMatcher`, copied
@@ -147,7 +147,8 @@ class TokenBitmasks:
     CPU the forward has finished, and the fill (tens of microseconds a sequence) adds to the
     step. A large batch on a machine with cores to spare fills in parallel on llguidance's
     own threads; a small one, or a small machine, one after another, since idle parallel
-    workers spinning beside the CPU forward slowed it measurably (docs/perf.md)."""
+    workers spinning beside the CPU forward slowed it measurably (a fill's cost a sequence:
+    docs/perf-history.md, structured output)."""
 
     PARALLEL_FROM = 16  # sequences; and only with at least 8 cores
 
