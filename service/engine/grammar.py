@@ -2,7 +2,7 @@
 a list of choices, or a grammar.
 
 llguidance does the matching (chosen over xgrammar on measurements: benchmarks/
-grammar_backends.py and docs/perf.md, structured output; it has no dependencies, compiles a schema in about a
+grammar_backends.py and docs/perf.md; it has no dependencies, compiles a schema in about a
 millisecond where xgrammar's slow cases take hundreds, and its token masks stay fast without
 a per-vocabulary cache). One `GrammarCompiler` per engine owns the tokenizer's trie and a cache
 of compiled grammars keyed by what was asked; each sequence owns a `GrammarMatcher`, copied
