@@ -26,13 +26,14 @@ SOURCE_DIR = Path(__file__).with_name("src")
 PER_ISA_SOURCES = (
     "quants.c", "products_q8.c", "tiles_q8.c", "attention.c", "ops.c", "sample.c",
 )  # fmt: skip
-ONCE_SOURCES = ("stack.c", "helper.c", "context_views.c", "features.c")
+ONCE_SOURCES = ("stack.c", "helper.c", "context_views.c", "features.c", "rows_x8.c")
 HEADERS = (
     "pagechat_cpu.h",
     "simd.h",
     "blocks.h",
     "int8.h",
     "weights_q8.h",
+    "rows_x8.h",
     "stack_parts.h",
 )  # harness.c, a test program, is not in the library
 # -ffp-contract=off: a * b + c is fused only where the source says so (vf_fma), never where the

@@ -70,8 +70,12 @@ class Blocks:
     kind: WeightType
     data: Tensor
     k: int
+    # Q4_K only: its rows regrouped eight at a time for the int8 products (ROWS_X8)
+    rows_x8: bool = False
 
     def __post_init__(self) -> None:
+        if self.rows_x8 and (self.kind != WeightType.Q4_K or self.data.shape[0] % 8):
+            raise ValueError("rows regrouped eight at a time: Q4_K of a multiple of 8 rows only")
         width = row_bytes(self.kind, self.k)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != width:
             raise ValueError(
@@ -92,6 +96,39 @@ class Blocks:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @property
+    def code(self) -> int:
+        """The type as the kernels take it (pagechat_cpu.h): ggml's number, with ROWS_X8."""
+        return int(self.kind) | (ROWS_X8 if self.rows_x8 else 0)
+
+    def stored(self) -> Tensor:
+        """The rows as the file stores them: `data`, or a copy taken back from ROWS_X8."""
+        return stored_rows_x8(self.data) if self.rows_x8 else self.data
+
+
+# NOTE (ROWS_X8): where the products take int8 inputs, a Q4_K weight's rows are regrouped
+# eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by side, its
+# nibbles four bytes of each row at a time, so that a product keeps each row's sums in its
+# own vector lane and never sums across lanes (a K type's six-bit scales unpacked for eight
+# rows at once). The same bytes, moved: each row's values are the file's.
+ROWS_X8 = 0x100
+_X8_BLOCK = 8 * 144
+
+
+def stored_rows_x8(data: Tensor) -> Tensor:
+    """Q4_K rows regrouped eight at a time ([n, row_bytes] uint8) back as stored (a copy)."""
+    n, width = data.shape
+    groups, blocks = n // 8, width // 144
+    g = data.reshape(groups, blocks, _X8_BLOCK)
+    d = g[..., 0:16].reshape(groups, blocks, 8, 2)
+    dmin = g[..., 16:32].reshape(groups, blocks, 8, 2)
+    scales = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)
+    qs = g[..., 128:].reshape(groups, blocks, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5)
+    rows = torch.cat(
+        [d, dmin, scales.reshape(groups, blocks, 8, 12), qs.reshape(groups, blocks, 8, 128)], -1
+    )  # [groups, blocks, 8 rows, 144]
+    return rows.permute(0, 2, 1, 3).reshape(n, width).contiguous()
 
 
 def random_blocks(kind: WeightType, n: int, k: int, generator: torch.Generator) -> Blocks:

@@ -46,6 +46,7 @@ ONCE_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "pc_cpu_runs": (I64, (ctypes.c_char_p,)),
     "pc_gemv_threads": (I64, (P, P, P, I64, P, I64)),
     "pc_decode_layers": (I64, (P, P, P, P, P, I64, P)),
+    "pc_rows_x8": (I64, (I64, P, I64, I64, I64)),
 }
 
 

@@ -79,7 +79,7 @@ def projection(parts: Sequence[Blocks]) -> CProjection:
         raise ValueError(f"a projection is 1 to {MAX_PARTS} weights of one k")
     out = CProjection(parts=len(parts), n=sum(p.n for p in parts), k=parts[0].k)
     for slot, p in zip(out.part, parts, strict=False):
-        slot.type, slot.n, slot.k = int(p.kind), p.n, p.k
+        slot.type, slot.n, slot.k = p.code, p.n, p.k
         slot.row_bytes, slot.data = p.data.shape[1], p.data.data_ptr()
     return out
 
@@ -103,7 +103,7 @@ def gemv(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
     x = _input(x, weight.k)
     y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
     status = kernels.fn("gemv")(
-        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
+        weight.code, weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
         x.shape[0], weight.k, y.data_ptr(), weight.n, 0, weight.n,
     )  # fmt: skip
     _raise_for(status, "gemv")
@@ -115,7 +115,7 @@ def gemv_q8(kernels: KernelSet, weight: Blocks, x: Tensor) -> Tensor:
     x = _input(x, weight.k)
     y = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
     status = kernels.fn("gemv_q8")(
-        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
+        weight.code, weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(),
         x.shape[0], weight.k, y.data_ptr(), weight.n, 0, weight.n,
     )  # fmt: skip
     _raise_for(status, "gemv_q8")
@@ -166,7 +166,7 @@ def dequantize(kernels: KernelSet, weight: Blocks, rows: tuple[int, int], out: T
         raise ValueError(f"rows {rows} of a weight of {weight.n}")
     _check(out, (last - first, weight.k), (torch.float32, torch.bfloat16), "out")
     status = kernels.fn("dequant")(
-        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], weight.k, first, last,
+        weight.code, weight.data.data_ptr(), weight.data.shape[1], weight.k, first, last,
         out.data_ptr(), weight.k, ELEMENT_TYPES[out.dtype],
     )  # fmt: skip
     _raise_for(status, "dequant")
@@ -182,11 +182,23 @@ def dequantize_rows(kernels: KernelSet, weight: Blocks, ids: Tensor) -> Tensor:
         raise ValueError(f"row ids outside [0, {weight.n})")
     out = torch.empty(ids.numel(), weight.k, dtype=torch.float32)
     status = kernels.fn("dequant_rows")(
-        int(weight.kind), weight.data.data_ptr(), weight.data.shape[1], weight.k,
+        weight.code, weight.data.data_ptr(), weight.data.shape[1], weight.k,
         ids.data_ptr(), ids.numel(), out.data_ptr(),
     )  # fmt: skip
     _raise_for(status, "dequant_rows")
     return out
+
+
+def regroup_rows_x8(kernels: KernelSet, weight: Blocks) -> Blocks:
+    """A Q4_K weight of a multiple of 8 rows with its rows regrouped eight at a time, in
+    place (formats.py, ROWS_X8): the same tensor, its rows no longer as stored."""
+    if weight.rows_x8:
+        return weight
+    status = kernels.lib.pc_rows_x8(
+        weight.code, weight.data.data_ptr(), weight.data.shape[1], weight.n, 1
+    )
+    _raise_for(status, "rows_x8")
+    return Blocks(weight.kind, weight.data, weight.k, rows_x8=True)
 
 
 def rms_norm(kernels: KernelSet, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -641,6 +641,7 @@ def _load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
         serve_stored=config.serve_stored(),
         threads=config.native_threads(),
         matmul_inputs=config.matmul_inputs,
+        regroup_rows=config.weight_layout == "auto",
     )
     release_freed()
     return loaded

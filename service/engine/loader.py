@@ -107,13 +107,16 @@ def load_model(
     serve_stored: bool = False,
     threads: int = 1,
     matmul_inputs: str | None = None,
+    regroup_rows: bool = True,
 ) -> LoadedModel:
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
     and torch.int8 name the packed formats, run by the CPU `kernels`, whose steps of more
     than `max_packed_tokens` rows run dequantized to `dense_dtype`, and whose native products
     split with the kernels' helper thread at `threads` 2: `LlamaModel.from_weights`).
     `matmul_inputs` int8 or fp32 sets what the kernels' products take as inputs, auto picks by
-    the model's size (`quant.auto_matmul_inputs`); None keeps the kernels' own.
+    the model's size (`quant.auto_matmul_inputs`); None keeps the kernels' own. `regroup_rows`:
+    with int8 inputs (on a version past the generic one), Q4_K weights' rows regrouped eight
+    at a time for the products (formats.py, ROWS_X8); False keeps every weight as stored.
 
     `serve_stored`: a GGUF whose layer matmuls are stored in block types the kernels read is
     served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the
@@ -121,8 +124,9 @@ def load_model(
     kernels."""
     path = model_path(source)
     build = _Build(
-        dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads, matmul_inputs
-    )
+        dtype, device, weight_dtype, kernels, max_packed_tokens, dense_dtype, threads,
+        matmul_inputs, regroup_rows,
+    )  # fmt: skip
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
@@ -177,6 +181,7 @@ class _Build:
     dense_dtype: torch.dtype
     threads: int
     matmul_inputs: str | None
+    regroup_rows: bool
 
     def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> LlamaModel:
         kernels = self.kernels
@@ -185,6 +190,14 @@ class _Build:
             if inputs == "auto":
                 inputs = auto_matmul_inputs(matmul_parameters(weights))
             kernels = kernels.with_matmul_inputs(inputs)
+        # The generic version reads the regrouped rows slower than the stored ones (it has
+        # no vector dot product to keep a row in a lane with): only a vector version's.
+        regroup = (
+            self.regroup_rows
+            and kernels is not None
+            and kernels.matmul_inputs == "int8"
+            and kernels.chosen["gemv_q8"] != "generic"
+        )
         return LlamaModel.from_weights(
             args,
             weights,
@@ -195,6 +208,7 @@ class _Build:
             max_packed_tokens=self.max_packed_tokens,
             dense_dtype=self.dense_dtype,
             threads=self.threads,
+            regroup_rows=regroup,
         )
 
 

@@ -382,6 +382,7 @@ class LlamaModel(nn.Module):
         max_packed_tokens: int | None = None,
         dense_dtype: torch.dtype = torch.float32,
         threads: int = 1,
+        regroup_rows: bool = False,
     ) -> LlamaModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
@@ -401,7 +402,9 @@ class LlamaModel(nn.Module):
         dequantize each weight into one shared scratch buffer and run a dense GEMM in
         `dense_dtype` (bf16 where the CPU has fast bf16 matmuls, fp32 where not): prefill
         chunks and mixed steps, where the GEMV is slower. `threads` 2 splits every native
-        product with the CPU kernels' helper thread.
+        product with the CPU kernels' helper thread. `regroup_rows` regroups the matmuls'
+        Q4_K weights eight rows at a time (`PackedWeight.regrouped`; not an embedding that
+        no LM head shares).
         """
         with torch.device("meta"):
             model = cls(args)
@@ -427,9 +430,11 @@ class LlamaModel(nn.Module):
             if packed and isinstance(owner, nn.Linear | nn.Embedding):
                 assert kernels is not None
                 head = not isinstance(owner, Linear) or prefix == "lm_head"
-                linear = QuantLinear(
-                    packed_weight(w, head), kernels, scratch=scratch, threads=threads
-                )
+                weight = packed_weight(w, head)
+                lookup_only = isinstance(owner, nn.Embedding) and not args.tie_word_embeddings
+                if regroup_rows and not lookup_only:
+                    weight = weight.regrouped(kernels)
+                linear = QuantLinear(weight, kernels, scratch=scratch, threads=threads)
                 module: nn.Module = linear
                 if isinstance(owner, nn.Embedding):
                     if args.tie_word_embeddings:

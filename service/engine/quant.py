@@ -78,8 +78,20 @@ class PackedWeight:
         if len(self.parts) != 1:
             raise ValueError("rows of a multi-part weight are not permuted")
         (blocks,) = self.parts
+        if blocks.rows_x8:
+            raise ValueError("rows regrouped eight at a time are not permuted")
         blocks.data.copy_(blocks.data.index_select(0, index))
         return self
+
+    def regrouped(self, kernels: KernelSet) -> PackedWeight:
+        """This weight with each Q4_K part of a multiple of 8 rows regrouped eight rows at a
+        time, in place (formats.py, ROWS_X8): where the products take int8 inputs."""
+        return PackedWeight(
+            tuple(
+                ops.regroup_rows_x8(kernels, p) if p.kind == WeightType.Q4_K and p.n % 8 == 0 else p
+                for p in self.parts
+            )
+        )
 
     def dequantize(self) -> Tensor:
         """The dense fp32 weight, through gguf's own dequantization (the reference)."""
@@ -91,7 +103,7 @@ Weight = Tensor | PackedWeight
 
 def _gguf_dequantize(blocks: Blocks) -> Tensor:
     kind = gguf.GGMLQuantizationType(int(blocks.kind))
-    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks.data.numpy(), kind)))
+    return torch.from_numpy(np.array(gguf.quants.dequantize(blocks.stored().numpy(), kind)))
 
 
 def dense(w: Weight) -> Tensor:
@@ -121,9 +133,9 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
         return PackedWeight(tuple(blocks))
     merged: list[Blocks] = []
     for b in blocks:
-        if merged and merged[-1].kind == b.kind:
+        if merged and (merged[-1].kind, merged[-1].rows_x8) == (b.kind, b.rows_x8):
             last = merged.pop()
-            b = Blocks(b.kind, torch.cat([last.data, b.data]), b.k)
+            b = Blocks(b.kind, torch.cat([last.data, b.data]), b.k, b.rows_x8)
         merged.append(b)
     return PackedWeight(tuple(merged))
 

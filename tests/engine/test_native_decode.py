@@ -62,11 +62,12 @@ def mixed_types(kernels: KernelSet) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def mixed_types_int8(kernels: KernelSet) -> LoadedModel:
-    """`mixed_types` with int8 inputs in its products."""
-    return _mixed_types(kernels.with_matmul_inputs("int8"))
+    """`mixed_types` with int8 inputs in its products, its Q4_K rows regrouped eight at a
+    time for them (as `weight_layout` auto loads them)."""
+    return _mixed_types(kernels.with_matmul_inputs("int8"), regroup_rows=True)
 
 
-def _mixed_types(kernels: KernelSet) -> LoadedModel:
+def _mixed_types(kernels: KernelSet, regroup_rows: bool = False) -> LoadedModel:
     args = ModelArgs(
         vocab_size=gguf_tokenizer().vocab_size, hidden_size=256, intermediate_size=512,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512,
@@ -95,9 +96,34 @@ def _mixed_types(kernels: KernelSet) -> LoadedModel:
         }
     model = LlamaModel.from_weights(
         args, weights, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels,
-        max_packed_tokens=NATIVE_AT_EVERY_SIZE,
+        max_packed_tokens=NATIVE_AT_EVERY_SIZE, regroup_rows=regroup_rows,
     )  # fmt: skip
     return LoadedModel(model, args, gguf_tokenizer(), "mixed-types@test", "mixed-types", "llama")
+
+
+def test_regrouped_rows_answer_with_the_stored_rows_bits(
+    make_engine: EngineFactory, mixed_types_int8: LoadedModel, kernels: KernelSet
+) -> None:
+    # Q and K (Q4_K) regrouped eight rows at a time; V, o, gate, up, down and the LM head as
+    # stored: every logit the same bits as with every weight as stored, in decode steps of
+    # one to three rows and prefill chunks.
+    (qkv, *_) = _layer_weights(mixed_types_int8)
+    assert [p.rows_x8 for p in qkv.parts] == [True, True, False]
+    stored = _mixed_types(kernels.with_matmul_inputs("int8"))
+    assert not any(p.rows_x8 for p in _layer_weights(stored)[0].parts)
+    prompts = {"a": [(7 * j) % 300 + 5 for j in range(40)], "b": [11, 12, 13], "c": [9] * 20}
+    answers = [
+        run(make_engine(loaded=loaded), prompts, greedy(24), join_at={"c": 3})
+        for loaded in (mixed_types_int8, stored)
+    ]
+    for rid in prompts:
+        assert answers[0][rid].token_ids == answers[1][rid].token_ids
+        assert answers[0][rid].margins == answers[1][rid].margins
+
+
+def _layer_weights(loaded: LoadedModel) -> list[PackedWeight]:
+    layer = loaded.model.layers[0]
+    return [layer.attn.qkv.weight, layer.mlp.down.weight]
 
 
 # Tiny random models of each family in tests/engine/families' shape (heads of 16), packed as

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import build, ops
+from kernels.cpu import build, dispatch, ops
 from kernels.cpu.formats import Blocks, WeightType, random_blocks
 from service.engine.model import apply_rope
 from tests.kernels.sampling_cases import check_picks, sample_case
@@ -173,6 +173,34 @@ def test_the_harness_products_of_int8_inputs_are_their_dot_products_same_at_any_
         assert ((y.double() - xq[:rows] @ w.t()).abs() <= bound).all()
         outputs[rows] = y
     assert torch.equal(outputs[3], outputs[17][:3])
+
+
+def test_the_harness_reads_q4_k_rows_regrouped_eight_at_a_time_with_the_same_bits(
+    run: Run,
+) -> None:
+    # tests/kernels/test_rows_x8.py's checks through the harness (NEON's lanes under qemu):
+    # eight rows in the lanes for one to four input rows, side by side beyond, split with
+    # the helper threads, and the rows dequantized back as stored.
+    gen = torch.Generator().manual_seed(60)
+    weight = random_blocks(WeightType.Q4_K, 40, 512, gen)
+    local = dispatch.select("generic")
+    assert local is not None
+    x8 = ops.regroup_rows_x8(local, Blocks(weight.kind, weight.data.clone(), weight.k))
+    x = torch.randn(17, 512, generator=gen)
+    for rows, threads in ((1, 1), (4, 2), (17, 3)):
+        stored, regrouped = (
+            run(
+                "gemv_q8", code, rows, 40, 512, threads, data, x[:rows],
+                Out(torch.float32, (rows, 40)),
+            )[0]
+            for code, data in ((weight.code, weight.data), (x8.code, x8.data))
+        )  # fmt: skip
+        assert torch.equal(regrouped, stored)
+    dense = [
+        run("dequant", code, 40, 512, data, Out(torch.float32, (40, 512)))[0]
+        for code, data in ((weight.code, weight.data), (x8.code, x8.data))
+    ]
+    assert torch.equal(dense[0], dense[1])
 
 
 @pytest.mark.parametrize("dtype", list(ops.ELEMENT_TYPES))

@@ -14,6 +14,10 @@
    friends build one from a weight block's scales without a round trip through memory;
    v8i_totals takes eight dot_u results to their eight totals, one a lane.
 
+   For weights with eight rows in the lanes (rows_x8.h): q_set1_32 puts four inputs in every
+   lane, dot_u_add accumulates each lane's products in place, and the v8i bit operations
+   unpack eight rows' six-bit scales at once.
+
    vr and vrf are VR int32 and float lanes, one input row a lane (tiles_q8.c): vr_dot_u(p, u4,
    x) adds to each lane the products of the same four weights (u4, a byte each) with that
    row's four int8 inputs (x, four bytes a lane); vrf_fma fuses where the version's v8_fma
@@ -120,6 +124,46 @@ static inline v8i v8i_totals(const v8i p[8]) {
 /* acc + float(p) * s, lane by lane */
 static inline v8 v8_fma_ints(v8i p, v8 s, v8 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc);
+}
+/* ---- eight weight rows in the lanes (rows_x8.h) */
+/* four int8 inputs at p in every lane */
+static inline q32 q_set1_32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+/* p + dot_u(u, x) */
+static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
+#if defined(PC_ISA_VNNI)
+    return _mm256_dpbusd_epi32(p, u, x);
+#else
+    return _mm256_add_epi32(p, dot_u(u, x));
+#endif
+}
+static inline v8i v8i_load(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+static inline v8i v8i_and(v8i a, uint32_t mask) {
+    return _mm256_and_si256(a, _mm256_set1_epi32((int)mask));
+}
+static inline v8i v8i_or(v8i a, v8i b) {
+    return _mm256_or_si256(a, b);
+}
+static inline v8i v8i_shr(v8i a, int n) {
+    return _mm256_srli_epi32(a, n);
+}
+static inline v8i v8i_shl(v8i a, int n) {
+    return _mm256_slli_epi32(a, n);
+}
+static inline v8 v8_from_ints(v8i a) {
+    return _mm256_cvtepi32_ps(a);
+}
+static inline v8 v8_add(v8 a, v8 b) {
+    return _mm256_add_ps(a, b);
+}
+/* eight fp16 values at p */
+static inline v8 v8_from_fp16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
 #if defined(PC_ISA_AVX512)
@@ -377,6 +421,58 @@ static inline v8 v8_fma_ints(v8i p, v8 s, v8 acc) {
         acc.val[h] = vfmaq_f32(acc.val[h], vcvtq_f32_s32(p.val[h]), s.val[h]);
     return acc;
 }
+static inline q32 q_set1_32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    const int8x16_t b = vreinterpretq_s8_u32(vdupq_n_u32(v));
+    const q32 q = {{b, b}};
+    return q;
+}
+static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
+    for (int h = 0; h < 2; h++)
+        p.val[h] = vdotq_s32(p.val[h], u.val[h], x.val[h]);
+    return p;
+}
+static inline v8i v8i_load(const uint8_t *p) {
+    const v8i v = {{vld1q_s32((const int32_t *)p), vld1q_s32((const int32_t *)p + 4)}};
+    return v;
+}
+static inline v8i v8i_and(v8i a, uint32_t mask) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vandq_s32(a.val[h], vdupq_n_s32((int32_t)mask));
+    return a;
+}
+static inline v8i v8i_or(v8i a, v8i b) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vorrq_s32(a.val[h], b.val[h]);
+    return a;
+}
+static inline v8i v8i_shr(v8i a, int n) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] =
+            vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a.val[h]), vdupq_n_s32(-n)));
+    return a;
+}
+static inline v8i v8i_shl(v8i a, int n) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vshlq_s32(a.val[h], vdupq_n_s32(n));
+    return a;
+}
+static inline v8 v8_from_ints(v8i a) {
+    const v8 v = {{vcvtq_f32_s32(a.val[0]), vcvtq_f32_s32(a.val[1])}};
+    return v;
+}
+static inline v8 v8_add(v8 a, v8 b) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vaddq_f32(a.val[h], b.val[h]);
+    return a;
+}
+static inline v8 v8_from_fp16x8(const uint8_t *p) {
+    const uint16x8_t h = vld1q_u16((const uint16_t *)p);
+    const v8 v = {{vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))),
+                   vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h)))}};
+    return v;
+}
 
 #define VR 4
 typedef int32x4_t vr;
@@ -551,6 +647,63 @@ static inline v8 v8_fma_ints(v8i p, v8 s, v8 acc) {
     for (int i = 0; i < 8; i++)
         acc.v[i] = acc.v[i] + (float)p.v[i] * s.v[i];
     return acc;
+}
+static inline q32 q_set1_32(const uint8_t *p) {
+    q32 q;
+    for (int i = 0; i < 32; i++)
+        q.v[i] = (int8_t)p[i % 4];
+    return q;
+}
+static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
+    const v8i d = dot_u(u, x);
+    for (int i = 0; i < 8; i++)
+        p.v[i] += d.v[i];
+    return p;
+}
+static inline v8i v8i_load(const uint8_t *p) {
+    v8i v;
+    memcpy(v.v, p, sizeof v.v);
+    return v;
+}
+static inline v8i v8i_and(v8i a, uint32_t mask) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] = (int32_t)((uint32_t)a.v[i] & mask);
+    return a;
+}
+static inline v8i v8i_or(v8i a, v8i b) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] = (int32_t)((uint32_t)a.v[i] | (uint32_t)b.v[i]);
+    return a;
+}
+static inline v8i v8i_shr(v8i a, int n) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] = (int32_t)((uint32_t)a.v[i] >> n);
+    return a;
+}
+static inline v8i v8i_shl(v8i a, int n) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] = (int32_t)((uint32_t)a.v[i] << n);
+    return a;
+}
+static inline v8 v8_from_ints(v8i a) {
+    v8 v;
+    for (int i = 0; i < 8; i++)
+        v.v[i] = (float)a.v[i];
+    return v;
+}
+static inline v8 v8_add(v8 a, v8 b) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] += b.v[i];
+    return a;
+}
+static inline v8 v8_from_fp16x8(const uint8_t *p) {
+    v8 v;
+    for (int i = 0; i < 8; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        v.v[i] = fp16_to_f32_c(h);
+    }
+    return v;
 }
 
 #define VR 8

@@ -1,14 +1,16 @@
 /* pagechat's CPU kernel layer: the types every source file and kernels/cpu's Python share.
 
    Each kernel is compiled once per instruction set into the same library (kernels/cpu/build.py):
-   kernels.c as pc_<kernel>_<isa> for isa in generic, avx2, avx512, vnni, amx (x86-64) or generic,
-   neon (arm64). Which version runs is chosen when the process starts, kernel by kernel, from
-   what the CPU can execute (features.c) and a probe of each version against the generic one
-   (kernels/cpu/dispatch.py). stack.c, compiled once, runs a whole decode step through a
-   table of the chosen versions (pc_kernels).
+   each of build.py's PER_ISA_SOURCES as pc_<kernel>_<isa> for isa in generic, avx2, avx512,
+   vnni, amx (x86-64) or generic, neon (arm64). Which version runs is chosen when the process
+   starts, kernel by kernel, from what the CPU can execute (features.c) and a probe of each version
+   against the generic one (kernels/cpu/dispatch.py). stack.c, compiled once, runs a whole decode
+   step through a table of the chosen versions (pc_kernels).
 
    Weights are GGUF blocks exactly as a GGUF file stores them (ggml's block layouts, fp16
-   scales and mins as stored): a weight [n, k] is n rows of k / block_elements(type) blocks. */
+   scales and mins as stored): a weight [n, k] is n rows of k / block_elements(type) blocks;
+   or, for the int8 products, Q4_K's same bytes with its rows regrouped eight at a time
+   (PC_Q4_K_X8, rows_x8.h). */
 #ifndef PAGECHAT_CPU_H
 #define PAGECHAT_CPU_H
 
@@ -23,6 +25,9 @@ enum {
     PC_Q4_K = 12,
     PC_Q5_K = 13,
     PC_Q6_K = 14,
+    /* Q4_K with its rows regrouped eight at a time for the int8 products (rows_x8.h) */
+    PC_ROWS_X8 = 0x100,
+    PC_Q4_K_X8 = PC_ROWS_X8 | PC_Q4_K,
 };
 
 /* The largest head size the attention and RoPE kernels take (a multiple of 16). */
@@ -178,6 +183,7 @@ static inline int64_t pc_block_elements(int64_t type) {
     case PC_Q5_0:
     case PC_Q8_0: return 32;
     case PC_Q4_K:
+    case PC_Q4_K_X8:
     case PC_Q5_K:
     case PC_Q6_K: return 256;
     default: return 0;
@@ -190,7 +196,8 @@ static inline int64_t pc_block_bytes(int64_t type) {
     case PC_Q4_1: return 20;
     case PC_Q5_0: return 22;
     case PC_Q8_0: return 34;
-    case PC_Q4_K: return 144;
+    case PC_Q4_K:
+    case PC_Q4_K_X8: return 144;
     case PC_Q5_K: return 176;
     case PC_Q6_K: return 210;
     default: return 0;

@@ -1,5 +1,5 @@
-/* One small vocabulary of vector operations per instruction set, so that each kernel in
-   kernels.c is written once: `vf` is a vector of VF_W floats, `q32` 32 int8 weights.
+/* One small vocabulary of vector operations per instruction set, so that each kernel source
+   is written once: `vf` is a vector of VF_W floats, `q32` 32 int8 weights.
 
    The build (kernels/cpu/build.py) defines exactly one of
      PC_ISA_GENERIC  plain C, no intrinsics: the reference every other version is probed

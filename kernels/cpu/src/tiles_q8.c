@@ -18,6 +18,7 @@
 
 #include "blocks.h"
 #include "int8.h"
+#include "rows_x8.h"
 #include "weights_q8.h"
 
 /* ---- the inputs, side by side ------------------------------------------------------------- */
@@ -307,20 +308,27 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
     }
 }
 
+/* `x8`: the weight is PC_Q4_K_X8, each row taken back to its stored bytes first */
 static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
                      const uint8_t *inputs, int64_t m, int64_t k, float *y, int64_t ldy,
-                     int64_t n_begin, int64_t n_end) {
+                     int64_t n_begin, int64_t n_end, int x8) {
     const int64_t subs = k / 32, vectors = (m + VR - 1) / VR;
     const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
     const int64_t vector_bytes = side_by_side_bytes(k);
-    uint8_t *buf = malloc((size_t)(TJ * stride));
+    uint8_t *buf = malloc((size_t)(TJ * stride + (x8 ? row_bytes : 0)));
     if (buf == NULL)
         return PC_NO_MEMORY;
+    uint8_t *stored = buf + TJ * stride;
     for (int64_t j = n_begin; j < n_end; j += TJ) {
         const int J = n_end - j < TJ ? (int)(n_end - j) : TJ;
         laid_out rows[TJ];
         for (int i = 0; i < J; i++) {
-            lay_out(w + (j + i) * row_bytes, row_bytes, subs, buf + i * stride);
+            const uint8_t *row = w + (j + i) * row_bytes;
+            if (x8) {
+                x8_q4_k_row(w, row_bytes, j + i, stored);
+                row = stored;
+            }
+            lay_out(row, row_bytes, subs, buf + i * stride);
             rows[i] = laid_out_at(buf + i * stride, subs);
         }
         for (int64_t b = 0; b < vectors; b++) {
@@ -339,13 +347,16 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
 int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
                         int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
                         int64_t n_end) {
-#define TILES(T, FORM) tiles(lay_out_##T, FORM, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end)
+#define TILES(T, FORM)                                                                             \
+    tiles(lay_out_##T, FORM, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end, 0)
     switch (type) {
     case PC_Q4_0: return TILES(q4_0, TILE_U32);
     case PC_Q4_1: return TILES(q4_1, TILE_U32);
     case PC_Q5_0: return TILES(q5_0, TILE_U32);
     case PC_Q8_0: return TILES(q8_0, TILE_S);
     case PC_Q4_K: return TILES(q4_k, TILE_U32);
+    case PC_Q4_K_X8:
+        return tiles(lay_out_q4_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end, 1);
     case PC_Q5_K: return TILES(q5_k, TILE_U32);
     case PC_Q6_K: return TILES(q6_k, TILE_SCALED16);
     default: return PC_BAD_SHAPE;
