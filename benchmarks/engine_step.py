@@ -11,7 +11,8 @@ detokenizing and stop checks). One engine per format, all loaded at once; each b
 every format in turn, so a neighbour's load on a shared machine falls on all of them alike.
 
     .venv/bin/python -m benchmarks.engine_step [--weights auto fp32 bf16 int8 int4]
-        [--cpu-isa auto generic avx2 avx512 vnni] [--batch 1 4 8 32 64] [--steps 20]
+        [--cpu-isa auto generic avx2 avx512 vnni] [--weight-layout auto stored]
+        [--batch 1 4 8 32 64] [--steps 20]
         [--dtype auto] [--threads 1 2] [--decode-threads 1 2]
 
 Read bandwidth: before the engines start, the machine's read bandwidth is measured on the
@@ -223,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto"],
         help="the packed products' inputs, each in turn: auto | int8 | fp32",
     )
+    parser.add_argument(
+        "--weight-layout",
+        nargs="+",
+        default=["auto"],
+        help="how the packed weights lie, each in turn: auto (Q4_K regrouped for int8) | stored",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=200)
@@ -263,15 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth_threads = max(t or topology.usable_physical_cores() for t in args.decode_threads)
     bandwidth = read_bandwidth(bandwidth_threads, args.bandwidth_mib << 20)
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
-    for weights, isa, inputs, threads, decode_threads in itertools.product(
-        args.weights, args.cpu_isa, args.matmul_inputs, args.threads, args.decode_threads
-    ):
+    for weights, isa, inputs, layout, threads, decode_threads in itertools.product(
+        args.weights, args.cpu_isa, args.matmul_inputs, args.weight_layout, args.threads,
+        args.decode_threads,
+    ):  # fmt: skip
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
             weights=weights,
             cpu_isa=isa,
             matmul_inputs=inputs,
+            weight_layout=layout,
             max_num_seqs=max(args.batch),
             max_model_len=1024,
             kv_cache_mb=args.kv_cache_mb,
@@ -282,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         name = weights if len(args.cpu_isa) == 1 else f"{weights} {isa}"
         if len(args.matmul_inputs) > 1:
             name += f" {inputs}"
+        if len(args.weight_layout) > 1:
+            name += f" {layout}"
         if len(args.threads) > 1:
             name += f" {threads}t"
         if len(args.decode_threads) > 1:

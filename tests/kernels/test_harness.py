@@ -179,7 +179,7 @@ def test_the_harness_reads_q4_k_rows_regrouped_eight_at_a_time_with_the_same_bit
     run: Run,
 ) -> None:
     # tests/kernels/test_rows_x8.py's checks through the harness (NEON's lanes under qemu):
-    # eight rows in the lanes for one to four input rows, side by side beyond, split with
+    # eight rows in the lanes for up to 16 input rows, side by side beyond, split with
     # the helper threads, and the rows dequantized back as stored.
     gen = torch.Generator().manual_seed(60)
     weight = random_blocks(WeightType.Q4_K, 40, 512, gen)
@@ -187,7 +187,7 @@ def test_the_harness_reads_q4_k_rows_regrouped_eight_at_a_time_with_the_same_bit
     assert local is not None
     x8 = ops.regroup_rows_x8(local, Blocks(weight.kind, weight.data.clone(), weight.k))
     x = torch.randn(17, 512, generator=gen)
-    for rows, threads in ((1, 1), (4, 2), (17, 3)):
+    for rows, threads in ((1, 1), (4, 2), (9, 2), (17, 3)):
         stored, regrouped = (
             run(
                 "gemv_q8", code, rows, 40, 512, threads, data, x[:rows],

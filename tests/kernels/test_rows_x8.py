@@ -58,9 +58,10 @@ def test_only_q4_k_of_whole_groups_is_regrouped(cpu: KernelSet) -> None:
         PackedWeight((parts[0],)).map_rows(lambda w: w.flip(0))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
 def test_the_int8_products_are_the_same_bits(int8: KernelSet, rows: int) -> None:
-    # 1-4 rows: eight weight rows in the lanes; more: side by side, each row as stored first
+    # up to 16 rows: eight weight rows in the lanes, four input rows at a time; more: side by
+    # side, each weight row read back as stored first
     gen = torch.Generator().manual_seed(rows)
     weight = random_blocks(WeightType.Q4_K, 32, 1024, gen)
     x8 = regrouped(int8, weight)

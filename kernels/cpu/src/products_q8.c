@@ -192,23 +192,31 @@ DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
 /* ---- Q4_K with eight rows in the lanes (PC_Q4_K_X8, rows_x8.h) --------------------------- */
+#define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
+/* Up to this many input rows, a PC_Q4_K_X8 weight's groups take them four at a time; more,
+   side by side (each weight row read back as stored) */
+#define X8_FEW_ROWS 16
 /* byte `at` of each lane, as floats */
 static inline v8 lane_bytes(v8i packed, int at) {
     return v8_from_ints(v8i_and(v8i_shr(packed, 8 * at), 0xFF));
 }
 
-/* The eight rows of `group` against one input row `x`, to out[0..8). Lane r is row r's, and
-   its terms are taken in the canonical order: acc[l] here is lane l of the row path's
-   accumulators (row_q4_k), each sub-block's exact total times a d_x, then its offset, and
-   the end is v8_sum's tree. So each output is the row path's bits, read without a sum
-   across lanes: the integers of a sub-block build up in their row's lane. */
-static void group_q4_k_x8(const uint8_t *group, int64_t k, const uint8_t *x, float *out) {
-    const float *dx = pc_q8_scales(x, k), *sums = pc_q8_sums32(x, k);
-    v8 acc[CHUNK];
-    for (int l = 0; l < CHUNK; l++)
-        acc[l] = v8_zero();
+/* The eight rows of `group` against R <= 4 input rows (x, rows ldx apart), to y + r ldy
+   [0..8). Lane j is weight row j's, and its terms are taken in the canonical order: acc[r][l]
+   here is lane l of the row path's accumulators (row_q4_k), each sub-block's exact total
+   times a d_x, then its offset, and the end is v8_sum's tree. So each output is the row
+   path's bits, read without a sum across lanes: the integers of a sub-block build up in
+   their row's lane. A sub-block's weights are unpacked once for the R input rows. */
+static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    v8 acc[4][CHUNK];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < CHUNK; l++)
+            acc[r][l] = v8_zero();
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *g = group + b * X8_Q4_K_BLOCK, *xb = x + 256 * b;
+        const uint8_t *g = group + b * X8_Q4_K_BLOCK;
         const v8 d = v8_from_fp16x8(g + X8_Q4_K_D);
         const v8 neg_dmin = v8_mul(v8_from_fp16x8(g + X8_Q4_K_DMIN), v8_set1(-1.0f));
         /* k_scales (weights_q8.h), eight rows at once */
@@ -221,35 +229,60 @@ static void group_q4_k_x8(const uint8_t *group, int64_t k, const uint8_t *x, flo
                              v8i_or(v8i_and(v8i_shr(w2, 4), 0x0F0F0F0Fu),
                                     v8i_shl(v8i_and(v8i_shr(w1, 6), 0x03030303u), 4))};
         for (int l = 0; l < CHUNK; l++) {
-            const uint8_t *qs = g + X8_Q4_K_QS + 256 * (l / 2), *xs = xb + 32 * l;
-            v8i total = v8i_zero();
+            const uint8_t *qs = g + X8_Q4_K_QS + 256 * (l / 2);
+            q32 u[8];
             for (int t = 0; t < 8; t++)
-                total = dot_u_add(total, nibbles_32(qs + 32 * t, l & 1), q_set1_32(xs + 4 * t));
+                u[t] = nibbles_32(qs + 32 * t, l & 1);
             const v8 a = v8_mul(d, lane_bytes(scales[l / 4], l % 4));
-            acc[l] = v8_fma_ints(total, v8_mul(a, v8_set1(dx[8 * b + l])), acc[l]);
             const v8 offset = v8_mul(neg_dmin, lane_bytes(mins[l / 4], l % 4));
-            acc[l] = v8_fma(offset, v8_set1(sums[8 * b + l]), acc[l]);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = x + r * ldx, *xs = xr + 256 * b + 32 * l;
+                v8i total = v8i_zero();
+                for (int t = 0; t < 8; t++)
+                    total = dot_u_add(total, u[t], q_set1_32(xs + 4 * t));
+                const float dx = pc_q8_scales(xr, k)[8 * b + l];
+                acc[r][l] = v8_fma_ints(total, v8_mul(a, v8_set1(dx)), acc[r][l]);
+                acc[r][l] = v8_fma(offset, v8_set1(pc_q8_sums32(xr, k)[8 * b + l]), acc[r][l]);
+            }
         }
     }
-    const v8 even = v8_add(v8_add(acc[0], acc[4]), v8_add(acc[2], acc[6]));
-    const v8 odd = v8_add(v8_add(acc[1], acc[5]), v8_add(acc[3], acc[7]));
-    v8_store(out, v8_add(v8_add(even, odd), v8_zero())); /* + the row path's (empty) tail */
+    for (int r = 0; r < R; r++) {
+        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
+        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
+        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
+    }
 }
 
-/* Rows [n_begin, n_end) of a PC_Q4_K_X8 weight against m <= FEW_ROWS input rows: whole
-   groups eight lanes at a time, a row of a group the range cuts through as stored (`row`:
-   row_bytes of scratch) by the row path. */
+/* the group against m input rows, four at a time */
+static void group_rows_q4_k_x8(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,
+                               float *y, int64_t ldy) {
+    const int64_t ldx = pc_q8_row_bytes(k);
+    for (int64_t r = 0; r < m; r += 4) {
+        const uint8_t *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        switch (m - r < 4 ? m - r : 4) {
+        case 1: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 1); break;
+        case 2: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 2); break;
+        case 3: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 3); break;
+        default: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 4); break;
+        }
+    }
+}
+
+/* Rows [n_begin, n_end) of a PC_Q4_K_X8 weight against m input rows: whole groups eight
+   lanes at a time, a row of a group the range cuts through as stored (`row`: row_bytes of
+   scratch) by the row path, four input rows at a time. */
 static void few_q4_k_x8(const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t m, int64_t k,
                         float *y, int64_t ldy, int64_t n_begin, int64_t n_end, uint8_t *row) {
-    const int64_t ldx = pc_q8_row_bytes(k);
     for (int64_t j = n_begin; j < n_end;) {
         if (j % X8_ROWS == 0 && n_end - j >= X8_ROWS) {
-            for (int64_t r = 0; r < m; r++)
-                group_q4_k_x8(w + j * row_bytes, k, x + r * ldx, y + r * ldy + j);
+            group_rows_q4_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
             j += X8_ROWS;
         } else {
             x8_q4_k_row(w, row_bytes, j, row);
-            row_q4_k(row, row_bytes, x, k, y + j, ldy, m);
+            for (int64_t r = 0; r < m; r += FEW_ROWS)
+                row_q4_k(row, row_bytes, x + r * pc_q8_row_bytes(k), k, y + r * ldy + j, ldy,
+                         m - r < FEW_ROWS ? m - r : FEW_ROWS);
             j++;
         }
     }
@@ -262,8 +295,6 @@ void PC_FN(q8_side_by_side)(const uint8_t *xq, int64_t m, int64_t k, uint8_t *ou
 int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
                         int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
                         int64_t n_end);
-
-#define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
 
 /* Input rows a product of many takes in one pass over the weights: as many as keep their
    side-by-side layout under INPUT_BYTES, a whole number of vectors of them, so that those
@@ -295,6 +326,15 @@ int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_byte
                                 int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK;
+    if (type == PC_Q4_K_X8 && m <= X8_FEW_ROWS) {
+        const int cut = n_begin % X8_ROWS != 0 || n_end % X8_ROWS != 0;
+        uint8_t *row = cut ? malloc((size_t)row_bytes) : NULL;
+        if (cut && row == NULL)
+            return PC_NO_MEMORY;
+        few_q4_k_x8(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end, row);
+        free(row);
+        return PC_OK;
+    }
     if (m > FEW_ROWS) {
         const uint8_t *inputs = prepared + m * pc_q8_row_bytes(k);
         const int64_t width = PC_FN(q8_vector_rows)();
@@ -308,15 +348,6 @@ int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_byte
             if (status != PC_OK)
                 return status;
         }
-        return PC_OK;
-    }
-    if (type == PC_Q4_K_X8) {
-        const int cut = n_begin % X8_ROWS != 0 || n_end % X8_ROWS != 0;
-        uint8_t *row = cut ? malloc((size_t)row_bytes) : NULL;
-        if (cut && row == NULL)
-            return PC_NO_MEMORY;
-        few_q4_k_x8(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end, row);
-        free(row);
         return PC_OK;
     }
     switch (type) {
