@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kernels.cpu import build, ops
-from kernels.cpu.formats import Blocks, WeightType, random_blocks
+from kernels.cpu.formats import REGROUPED, Blocks, WeightType, random_blocks
 from kernels.cpu.library import library
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def _probe_gemv_q8(version: KernelSet, generic: KernelSet) -> str | None:
             got, want = ops.gemv_q8(version, weight, x), ops.gemv_q8(generic, weight, x)
             if problem := _differs(got, want, bound):
                 return f"{kind.name}, {m} rows: {problem}"
-            if kind == WeightType.Q4_K:  # and its rows regrouped eight at a time (ROWS_X8)
+            if kind in REGROUPED:  # and its rows regrouped eight at a time (ROWS_X8)
                 x8 = ops.regroup_rows_x8(version, Blocks(kind, weight.data.clone(), k))
                 if problem := _differs(ops.gemv_q8(version, x8, x), want, bound):
                     return f"{kind.name} regrouped, {m} rows: {problem}"

@@ -70,12 +70,14 @@ class Blocks:
     kind: WeightType
     data: Tensor
     k: int
-    # Q4_K only: its rows regrouped eight at a time for the int8 products (ROWS_X8)
+    # Q4_K and Q6_K: its rows regrouped eight at a time for the int8 products (ROWS_X8)
     rows_x8: bool = False
 
     def __post_init__(self) -> None:
-        if self.rows_x8 and (self.kind != WeightType.Q4_K or self.data.shape[0] % 8):
-            raise ValueError("rows regrouped eight at a time: Q4_K of a multiple of 8 rows only")
+        if self.rows_x8 and (self.kind not in REGROUPED or self.data.shape[0] % 8):
+            raise ValueError(
+                "rows regrouped eight at a time: Q4_K or Q6_K of a multiple of 8 rows only"
+            )
         width = row_bytes(self.kind, self.k)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != width:
             raise ValueError(
@@ -104,30 +106,52 @@ class Blocks:
 
     def stored(self) -> Tensor:
         """The rows as the file stores them: `data`, or a copy taken back from ROWS_X8."""
-        return stored_rows_x8(self.data) if self.rows_x8 else self.data
+        return stored_rows_x8(self.kind, self.data) if self.rows_x8 else self.data
 
 
-# NOTE (ROWS_X8): where the products take int8 inputs, a Q4_K weight's rows are regrouped
-# eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by side, its
-# nibbles four bytes of each row at a time, so that a product keeps each row's sums in its
-# own vector lane and never sums across lanes (a K type's six-bit scales unpacked for eight
-# rows at once). The same bytes, moved: each row's values are the file's.
+# NOTE (ROWS_X8): where the products take int8 inputs, a Q4_K or Q6_K weight's rows are
+# regrouped eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by
+# side, their integers four bytes of each row at a time, so that a product keeps each row's
+# sums in its own vector lane and never sums across lanes (the scales of eight rows unpacked
+# at once). The same bytes, moved: each row's values are the file's.
 ROWS_X8 = 0x100
-_X8_BLOCK = 8 * 144
+REGROUPED = (WeightType.Q4_K, WeightType.Q6_K)
 
 
-def stored_rows_x8(data: Tensor) -> Tensor:
-    """Q4_K rows regrouped eight at a time ([n, row_bytes] uint8) back as stored (a copy)."""
+def _runs(part: Tensor, runs: int) -> Tensor:
+    """[groups, blocks, runs * 256] four-bytes-a-row runs -> [groups, blocks, 8, runs * 32]"""
+    groups, blocks = part.shape[:2]
+    runs_t = part.reshape(groups, blocks, runs, 8, 8, 4).permute(0, 1, 4, 2, 3, 5)
+    return runs_t.reshape(groups, blocks, 8, runs * 32)
+
+
+def stored_rows_x8(kind: WeightType, data: Tensor) -> Tensor:
+    """Rows regrouped eight at a time ([n, row_bytes] uint8) back as stored (a copy)."""
     n, width = data.shape
-    groups, blocks = n // 8, width // 144
-    g = data.reshape(groups, blocks, _X8_BLOCK)
-    d = g[..., 0:16].reshape(groups, blocks, 8, 2)
-    dmin = g[..., 16:32].reshape(groups, blocks, 8, 2)
-    scales = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)
-    qs = g[..., 128:].reshape(groups, blocks, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5)
-    rows = torch.cat(
-        [d, dmin, scales.reshape(groups, blocks, 8, 12), qs.reshape(groups, blocks, 8, 128)], -1
-    )  # [groups, blocks, 8 rows, 144]
+    block = BLOCKS[kind][1]
+    groups, blocks = n // 8, width // block
+    g = data.reshape(groups, blocks, 8 * block)
+
+    def per_row(part: Tensor, size: int) -> Tensor:  # [8 rows, size] a block
+        return part.reshape(groups, blocks, 8, size)
+
+    if kind == WeightType.Q4_K:
+        words = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)
+        parts = [
+            per_row(g[..., 0:16], 2),  # d
+            per_row(g[..., 16:32], 2),  # dmin
+            words.reshape(groups, blocks, 8, 12),
+            _runs(g[..., 128:], 4),
+        ]
+    else:  # Q6_K: ql, qh, the scales per 16, d
+        scales = g[..., 16:144].reshape(groups, blocks, 16, 8).transpose(2, 3)
+        parts = [
+            _runs(g[..., 144:1168], 4),
+            _runs(g[..., 1168:], 2),
+            scales,
+            per_row(g[..., 0:16], 2),
+        ]
+    rows = torch.cat(parts, -1)  # [groups, blocks, 8 rows, block]
     return rows.permute(0, 2, 1, 3).reshape(n, width).contiguous()
 
 

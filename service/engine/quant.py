@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
-from kernels.cpu.formats import Blocks, WeightType
+from kernels.cpu.formats import REGROUPED, Blocks, WeightType
 
 # The packed formats, named by the dtype a config asks for them with, and the type a dense
 # weight is quantized to in each.
@@ -84,11 +84,11 @@ class PackedWeight:
         return self
 
     def regrouped(self, kernels: KernelSet) -> PackedWeight:
-        """This weight with each Q4_K part of a multiple of 8 rows regrouped eight rows at a
-        time, in place (formats.py, ROWS_X8): where the products take int8 inputs."""
+        """This weight with each Q4_K or Q6_K part of a multiple of 8 rows regrouped eight
+        rows at a time, in place (formats.py, ROWS_X8): where the products take int8 inputs."""
         return PackedWeight(
             tuple(
-                ops.regroup_rows_x8(kernels, p) if p.kind == WeightType.Q4_K and p.n % 8 == 0 else p
+                ops.regroup_rows_x8(kernels, p) if p.kind in REGROUPED and p.n % 8 == 0 else p
                 for p in self.parts
             )
         )

@@ -62,8 +62,8 @@ def mixed_types(kernels: KernelSet) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def mixed_types_int8(kernels: KernelSet) -> LoadedModel:
-    """`mixed_types` with int8 inputs in its products, its Q4_K rows regrouped eight at a
-    time for them (as `weight_layout` auto loads them)."""
+    """`mixed_types` with int8 inputs in its products, its Q4_K and Q6_K rows regrouped eight
+    at a time for them (as `weight_layout` auto loads them)."""
     return _mixed_types(kernels.with_matmul_inputs("int8"), regroup_rows=True)
 
 
@@ -104,13 +104,13 @@ def _mixed_types(kernels: KernelSet, regroup_rows: bool = False) -> LoadedModel:
 def test_regrouped_rows_answer_with_the_stored_rows_bits(
     make_engine: EngineFactory, mixed_types_int8: LoadedModel, kernels: KernelSet
 ) -> None:
-    # Q and K (Q4_K) regrouped eight rows at a time; V, o, gate, up, down and the LM head as
-    # stored: every logit the same bits as with every weight as stored, in decode steps of
-    # one to three rows and prefill chunks.
-    (qkv, *_) = _layer_weights(mixed_types_int8)
-    assert [p.rows_x8 for p in qkv.parts] == [True, True, False]
+    # Q, K (Q4_K), V, down and the LM head (Q6_K) regrouped eight rows at a time; o, gate
+    # and up as stored: every logit the same bits as with every weight as stored, in decode
+    # steps of one to three rows and prefill chunks.
+    qkv, down, o_proj = _layer_weights(mixed_types_int8)
+    assert [p.rows_x8 for p in (*qkv.parts, *down.parts, *o_proj.parts)] == [1, 1, 1, 1, 0]
     stored = _mixed_types(kernels.with_matmul_inputs("int8"))
-    assert not any(p.rows_x8 for p in _layer_weights(stored)[0].parts)
+    assert not any(p.rows_x8 for w in _layer_weights(stored) for p in w.parts)
     prompts = {"a": [(7 * j) % 300 + 5 for j in range(40)], "b": [11, 12, 13], "c": [9] * 20}
     answers = [
         run(make_engine(loaded=loaded), prompts, greedy(24), join_at={"c": 3})
@@ -123,7 +123,7 @@ def test_regrouped_rows_answer_with_the_stored_rows_bits(
 
 def _layer_weights(loaded: LoadedModel) -> list[PackedWeight]:
     layer = loaded.model.layers[0]
-    return [layer.attn.qkv.weight, layer.mlp.down.weight]
+    return [layer.attn.qkv.weight, layer.mlp.down.weight, layer.attn.o_proj.weight]
 
 
 # Tiny random models of each family in tests/engine/families' shape (heads of 16), packed as

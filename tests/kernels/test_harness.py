@@ -175,14 +175,15 @@ def test_the_harness_products_of_int8_inputs_are_their_dot_products_same_at_any_
     assert torch.equal(outputs[3], outputs[17][:3])
 
 
-def test_the_harness_reads_q4_k_rows_regrouped_eight_at_a_time_with_the_same_bits(
-    run: Run,
+@pytest.mark.parametrize("kind", [WeightType.Q4_K, WeightType.Q6_K])
+def test_the_harness_reads_rows_regrouped_eight_at_a_time_with_the_same_bits(
+    run: Run, kind: WeightType
 ) -> None:
     # tests/kernels/test_rows_x8.py's checks through the harness (NEON's lanes under qemu):
     # eight rows in the lanes for up to 16 input rows, side by side beyond, split with
     # the helper threads, and the rows dequantized back as stored.
     gen = torch.Generator().manual_seed(60)
-    weight = random_blocks(WeightType.Q4_K, 40, 512, gen)
+    weight = random_blocks(kind, 40, 512, gen)
     local = dispatch.select("generic")
     assert local is not None
     x8 = ops.regroup_rows_x8(local, Blocks(weight.kind, weight.data.clone(), weight.k))

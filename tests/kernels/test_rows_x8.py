@@ -1,7 +1,7 @@
-"""Q4_K weights with their rows regrouped eight at a time (kernels/cpu/src/rows_x8.h, formats.py
-ROWS_X8), every version this CPU executes: the same bytes moved, and every kernel that reads a
-weight gives each output the same bits from them as from the rows as stored: the int8
-products (eight rows in the lanes for one to four input rows; side by side beyond), the fp32
+"""Q4_K and Q6_K weights with their rows regrouped eight at a time (kernels/cpu/src/rows_x8.h,
+formats.py ROWS_X8), every version this CPU executes: the same bytes moved, and every kernel
+that reads a weight gives each output the same bits from them as from the rows as stored: the
+int8 products (eight rows in the lanes for up to 16 input rows; side by side beyond), the fp32
 products, the dequantization and the embedding lookup, at any split of the rows."""
 
 from __future__ import annotations
@@ -28,54 +28,62 @@ def regrouped(kernels: KernelSet, weight: Blocks) -> Blocks:
     return ops.regroup_rows_x8(kernels, copy)
 
 
-def test_regrouping_moves_the_bytes_and_back(cpu: KernelSet) -> None:
+KINDS = [WeightType.Q4_K, WeightType.Q6_K]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_regrouping_moves_the_bytes_and_back(cpu: KernelSet, kind: WeightType) -> None:
     gen = torch.Generator().manual_seed(1)
-    weight = random_blocks(WeightType.Q4_K, 24, 768, gen)
+    weight = random_blocks(kind, 24, 768, gen)
     x8 = regrouped(cpu, weight)
-    assert x8.rows_x8 and x8.code == int(WeightType.Q4_K) | 0x100
+    assert x8.rows_x8 and x8.code == int(kind) | 0x100
     assert not torch.equal(x8.data, weight.data)
     assert torch.equal(x8.data.flatten().sort().values, weight.data.flatten().sort().values)
-    assert torch.equal(stored_rows_x8(x8.data), weight.data)  # the Python reading agrees
+    assert torch.equal(stored_rows_x8(kind, x8.data), weight.data)  # Python reads it alike
     assert torch.equal(x8.stored(), weight.data)
-    status = cpu.lib.pc_rows_x8(int(WeightType.Q4_K), x8.data.data_ptr(), x8.data.shape[1], 24, 0)
+    status = cpu.lib.pc_rows_x8(int(kind), x8.data.data_ptr(), x8.data.shape[1], 24, 0)
     assert status == 0 and torch.equal(x8.data, weight.data)
 
 
-def test_only_q4_k_of_whole_groups_is_regrouped(cpu: KernelSet) -> None:
+def test_only_q4_k_and_q6_k_of_whole_groups_are_regrouped(cpu: KernelSet) -> None:
     gen = torch.Generator().manual_seed(2)
-    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q6_K, 16)):
+    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q5_K, 16), (WeightType.Q8_0, 16)):
         weight = random_blocks(kind, rows, 256, gen)
         with pytest.raises(ValueError):
             ops.regroup_rows_x8(cpu, weight)
         with pytest.raises(ValueError):
             Blocks(kind, weight.data, 256, rows_x8=True)
     q4 = random_blocks(WeightType.Q4_K, 16, 256, gen)
-    q6 = random_blocks(WeightType.Q6_K, 16, 256, gen)
-    odd = random_blocks(WeightType.Q4_K, 12, 256, gen)
-    parts = PackedWeight((q4, q6, odd)).regrouped(cpu).parts
+    q5 = random_blocks(WeightType.Q5_K, 16, 256, gen)
+    odd = random_blocks(WeightType.Q6_K, 12, 256, gen)
+    parts = PackedWeight((q4, q5, odd)).regrouped(cpu).parts
     assert [p.rows_x8 for p in parts] == [True, False, False]
     with pytest.raises(ValueError):
         PackedWeight((parts[0],)).map_rows(lambda w: w.flip(0))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
-def test_the_int8_products_are_the_same_bits(int8: KernelSet, rows: int) -> None:
+def test_the_int8_products_are_the_same_bits(int8: KernelSet, kind: WeightType, rows: int) -> None:
     # up to 16 rows: eight weight rows in the lanes, four input rows at a time; more: side by
     # side, each weight row read back as stored first
     gen = torch.Generator().manual_seed(rows)
-    weight = random_blocks(WeightType.Q4_K, 32, 1024, gen)
+    weight = random_blocks(kind, 32, 1024, gen)
     x8 = regrouped(int8, weight)
     x = torch.randn(rows, 1024, generator=gen) * torch.logspace(-2, 2, 1024)
     assert torch.equal(ops.gemv(int8, x8, x), ops.gemv(int8, weight, x))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_any_split_of_the_rows_is_the_same_bits(int8: KernelSet, rows: int) -> None:
+def test_any_split_of_the_rows_is_the_same_bits(
+    int8: KernelSet, kind: WeightType, rows: int
+) -> None:
     # shares that cut through a group take its rows one at a time, as stored
     gen = torch.Generator().manual_seed(10 + rows)
-    weight = random_blocks(WeightType.Q4_K, 48, 512, gen)
+    weight = random_blocks(kind, 48, 512, gen)
     x8 = regrouped(int8, weight)
-    v = random_blocks(WeightType.Q6_K, 16, 512, gen)  # a fused projection's other part
+    v = random_blocks(WeightType.Q5_K, 16, 512, gen)  # a fused projection's other part
     x = torch.randn(rows, 512, generator=gen)
     want = ops.gemv_threads(int8, [weight, v], x, 1)
     for threads in (1, 2, 3, 7):
@@ -91,10 +99,11 @@ def test_any_split_of_the_rows_is_the_same_bits(int8: KernelSet, rows: int) -> N
     assert torch.equal(y, want[:, :48])
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 7, 40])
-def test_the_fp32_products_are_the_same_bits(cpu: KernelSet, rows: int) -> None:
+def test_the_fp32_products_are_the_same_bits(cpu: KernelSet, kind: WeightType, rows: int) -> None:
     gen = torch.Generator().manual_seed(20 + rows)
-    weight = random_blocks(WeightType.Q4_K, 24, 512, gen)
+    weight = random_blocks(kind, 24, 512, gen)
     x8 = regrouped(cpu, weight)
     x = torch.randn(rows, 512, generator=gen)
     assert torch.equal(ops.gemv(cpu, x8, x), ops.gemv(cpu, weight, x))
@@ -103,9 +112,12 @@ def test_the_fp32_products_are_the_same_bits(cpu: KernelSet, rows: int) -> None:
         assert torch.equal(got, ops.gemv_threads(cpu, [weight], x, threads))
 
 
-def test_dequantization_and_lookups_read_the_rows_as_stored(cpu: KernelSet) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantization_and_lookups_read_the_rows_as_stored(
+    cpu: KernelSet, kind: WeightType
+) -> None:
     gen = torch.Generator().manual_seed(30)
-    weight = random_blocks(WeightType.Q4_K, 16, 512, gen)
+    weight = random_blocks(kind, 16, 512, gen)
     x8 = regrouped(cpu, weight)
     for dtype in (torch.float32, torch.bfloat16):
         want = ops.dequantize(cpu, weight, (3, 13), torch.empty(10, 512, dtype=dtype))

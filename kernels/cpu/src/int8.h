@@ -158,6 +158,26 @@ static inline v8i v8i_shl(v8i a, int n) {
 static inline v8 v8_from_ints(v8i a) {
     return _mm256_cvtepi32_ps(a);
 }
+static inline v8i v8i_add(v8i a, v8i b) {
+    return _mm256_add_epi32(a, b);
+}
+static inline v8i v8i_mul(v8i a, v8i b) {
+    return _mm256_mullo_epi32(a, b);
+}
+/* eight int8 values at p as int32 lanes */
+static inline v8i v8i_from_s8x8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+/* Q6_K's high two bits of 32 weights as bits 4-5 of each byte: ((p[e] >> 2 run) & 3) << 4 */
+static inline q32 q6_high_bits(const uint8_t *p, int run) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p), bits = _mm256_set1_epi8(0x30);
+    switch (run) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(b, 4), bits);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(b, 2), bits);
+    case 2: return _mm256_and_si256(b, bits);
+    default: return _mm256_and_si256(_mm256_srli_epi16(b, 2), bits);
+    }
+}
 static inline v8 v8_add(v8 a, v8 b) {
     return _mm256_add_ps(a, b);
 }
@@ -462,6 +482,30 @@ static inline v8 v8_from_ints(v8i a) {
     const v8 v = {{vcvtq_f32_s32(a.val[0]), vcvtq_f32_s32(a.val[1])}};
     return v;
 }
+static inline v8i v8i_add(v8i a, v8i b) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vaddq_s32(a.val[h], b.val[h]);
+    return a;
+}
+static inline v8i v8i_mul(v8i a, v8i b) {
+    for (int h = 0; h < 2; h++)
+        a.val[h] = vmulq_s32(a.val[h], b.val[h]);
+    return a;
+}
+static inline v8i v8i_from_s8x8(const uint8_t *p) {
+    const int16x8_t wide = vmovl_s8(vld1_s8((const int8_t *)p));
+    const v8i v = {{vmovl_s16(vget_low_s16(wide)), vmovl_s16(vget_high_s16(wide))}};
+    return v;
+}
+static inline q32 q6_high_bits(const uint8_t *p, int run) {
+    const int8x16_t shift = vdupq_n_s8((int8_t)(4 - 2 * run)), bits = vdupq_n_s8(0x30);
+    q32 q;
+    for (int h = 0; h < 2; h++) {
+        const uint8x16_t b = vld1q_u8(p + 16 * h);
+        q.val[h] = vandq_s8(vreinterpretq_s8_u8(vshlq_u8(b, shift)), bits);
+    }
+    return q;
+}
 static inline v8 v8_add(v8 a, v8 b) {
     for (int h = 0; h < 2; h++)
         a.val[h] = vaddq_f32(a.val[h], b.val[h]);
@@ -690,6 +734,28 @@ static inline v8 v8_from_ints(v8i a) {
     for (int i = 0; i < 8; i++)
         v.v[i] = (float)a.v[i];
     return v;
+}
+static inline v8i v8i_add(v8i a, v8i b) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] += b.v[i];
+    return a;
+}
+static inline v8i v8i_mul(v8i a, v8i b) {
+    for (int i = 0; i < 8; i++)
+        a.v[i] *= b.v[i];
+    return a;
+}
+static inline v8i v8i_from_s8x8(const uint8_t *p) {
+    v8i v;
+    for (int i = 0; i < 8; i++)
+        v.v[i] = (int8_t)p[i];
+    return v;
+}
+static inline q32 q6_high_bits(const uint8_t *p, int run) {
+    q32 q;
+    for (int i = 0; i < 32; i++)
+        q.v[i] = (int8_t)(((p[i] >> (2 * run)) & 3) << 4);
+    return q;
 }
 static inline v8 v8_add(v8 a, v8 b) {
     for (int i = 0; i < 8; i++)

@@ -9,8 +9,8 @@
 
    Weights are GGUF blocks exactly as a GGUF file stores them (ggml's block layouts, fp16
    scales and mins as stored): a weight [n, k] is n rows of k / block_elements(type) blocks;
-   or, for the int8 products, Q4_K's same bytes with its rows regrouped eight at a time
-   (PC_Q4_K_X8, rows_x8.h). */
+   or, for the int8 products, Q4_K's and Q6_K's same bytes with their rows regrouped eight
+   at a time (PC_Q4_K_X8, PC_Q6_K_X8: rows_x8.h). */
 #ifndef PAGECHAT_CPU_H
 #define PAGECHAT_CPU_H
 
@@ -25,9 +25,11 @@ enum {
     PC_Q4_K = 12,
     PC_Q5_K = 13,
     PC_Q6_K = 14,
-    /* Q4_K with its rows regrouped eight at a time for the int8 products (rows_x8.h) */
+    /* Q4_K and Q6_K with their rows regrouped eight at a time for the int8 products
+       (rows_x8.h) */
     PC_ROWS_X8 = 0x100,
     PC_Q4_K_X8 = PC_ROWS_X8 | PC_Q4_K,
+    PC_Q6_K_X8 = PC_ROWS_X8 | PC_Q6_K,
 };
 
 /* The largest head size the attention and RoPE kernels take (a multiple of 16). */
@@ -185,7 +187,8 @@ static inline int64_t pc_block_elements(int64_t type) {
     case PC_Q4_K:
     case PC_Q4_K_X8:
     case PC_Q5_K:
-    case PC_Q6_K: return 256;
+    case PC_Q6_K:
+    case PC_Q6_K_X8: return 256;
     default: return 0;
     }
 }
@@ -199,7 +202,8 @@ static inline int64_t pc_block_bytes(int64_t type) {
     case PC_Q4_K:
     case PC_Q4_K_X8: return 144;
     case PC_Q5_K: return 176;
-    case PC_Q6_K: return 210;
+    case PC_Q6_K:
+    case PC_Q6_K_X8: return 210;
     default: return 0;
     }
 }

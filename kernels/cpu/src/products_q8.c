@@ -191,11 +191,17 @@ DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
 DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
-/* ---- Q4_K with eight rows in the lanes (PC_Q4_K_X8, rows_x8.h) --------------------------- */
+/* ---- K-quants with eight rows in the lanes (PC_Q4_K_X8, PC_Q6_K_X8: rows_x8.h) ---------- */
 #define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
-/* Up to this many input rows, a PC_Q4_K_X8 weight's groups take them four at a time; more,
+/* Up to this many input rows, a regrouped weight's groups take them four at a time; more,
    side by side (each weight row read back as stored) */
 #define X8_FEW_ROWS 16
+/* How many blocks of a group ahead Q6_K's products prefetch: its sub-blocks read their
+   block's integers out of order (one run of high bits serves four of them), which the
+   hardware's stream prefetch follows less well (18.0 against 12.6 GB/s from memory, one
+   thread on Zen 4; 2 and 8 blocks: 17.3); Q4_K reads its blocks in order, and prefetching
+   them slowed it (19 against 22 GB/s) */
+#define X8_PREFETCH_BLOCKS 4
 /* byte `at` of each lane, as floats */
 static inline v8 lane_bytes(v8i packed, int at) {
     return v8_from_ints(v8i_and(v8i_shr(packed, 8 * at), 0xFF));
@@ -253,38 +259,99 @@ static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *g
     }
 }
 
-/* the group against m input rows, four at a time */
-static void group_rows_q4_k_x8(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,
-                               float *y, int64_t ldy) {
-    const int64_t ldx = pc_q8_row_bytes(k);
-    for (int64_t r = 0; r < m; r += 4) {
-        const uint8_t *xr = x + r * ldx;
-        float *yr = y + r * ldy;
-        switch (m - r < 4 ? m - r : 4) {
-        case 1: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 1); break;
-        case 2: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 2); break;
-        case 3: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 3); break;
-        default: group_q4_k_x8(group, k, xr, ldx, yr, ldy, 4); break;
+/* The eight rows of a PC_Q6_K_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
+   of the row path's accumulators (row_q6_k) is acc[r][l], each sub-block's exact total (its
+   two 16s' int8 scales inside the integers) times d d_x, then lane l's offsets, of the 16s l
+   and 8 + l. */
+static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    v8 acc[4][CHUNK];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < CHUNK; l++)
+            acc[r][l] = v8_zero();
+    for (int64_t b = 0; b < k / 256; b++) {
+        const uint8_t *g = group + b * X8_Q6_K_BLOCK, *scales = g + X8_Q6_K_SCALES;
+        prefetch_span(g + X8_PREFETCH_BLOCKS * X8_Q6_K_BLOCK, X8_Q6_K_BLOCK);
+        const v8 d = v8_from_fp16x8(g + X8_Q6_K_D), neg32d = v8_mul(d, v8_set1(-32.0f));
+        for (int l = 0; l < CHUNK; l++) {
+            const int half = l / 4, run = l % 4;
+            const uint8_t *ql = g + X8_Q6_K_QL + 256 * (2 * half + (run & 1));
+            const uint8_t *qh = g + X8_Q6_K_QH + 256 * half;
+            q32 u[8];
+            for (int t = 0; t < 8; t++)
+                u[t] = q_or(nibbles_32(ql + 32 * t, run >= 2), q6_high_bits(qh + 32 * t, run));
+            const v8i scale_lo = v8i_from_s8x8(scales + 8 * (2 * l));
+            const v8i scale_hi = v8i_from_s8x8(scales + 8 * (2 * l + 1));
+            const v8 offset_lo = v8_mul(neg32d, v8_from_s8x8((const int8_t *)scales + 8 * l));
+            const v8 offset_hi = v8_mul(neg32d, v8_from_s8x8((const int8_t *)scales + 8 * (8 + l)));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = x + r * ldx, *xs = xr + 256 * b + 32 * l;
+                v8i lo = v8i_zero(), hi = v8i_zero();
+                for (int t = 0; t < 4; t++) {
+                    lo = dot_u_add(lo, u[t], q_set1_32(xs + 4 * t));
+                    hi = dot_u_add(hi, u[4 + t], q_set1_32(xs + 16 + 4 * t));
+                }
+                const v8i total = v8i_add(v8i_mul(lo, scale_lo), v8i_mul(hi, scale_hi));
+                const float dx = pc_q8_scales(xr, k)[8 * b + l];
+                const float *sums = pc_q8_sums16(xr, k) + 16 * b;
+                acc[r][l] = v8_fma_ints(total, v8_mul(d, v8_set1(dx)), acc[r][l]);
+                acc[r][l] = v8_fma(offset_lo, v8_set1(sums[l]), acc[r][l]);
+                acc[r][l] = v8_fma(offset_hi, v8_set1(sums[8 + l]), acc[r][l]);
+            }
         }
+    }
+    for (int r = 0; r < R; r++) {
+        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
+        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
+        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
     }
 }
 
-/* Rows [n_begin, n_end) of a PC_Q4_K_X8 weight against m input rows: whole groups eight
-   lanes at a time, a row of a group the range cuts through as stored (`row`: row_bytes of
-   scratch) by the row path, four input rows at a time. */
-static void few_q4_k_x8(const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t m, int64_t k,
-                        float *y, int64_t ldy, int64_t n_begin, int64_t n_end, uint8_t *row) {
+/* a group of `type` (PC_Q4_K_X8 or PC_Q6_K_X8) against m input rows, four at a time */
+#define GROUP_ROWS(T)                                                                              \
+    static void group_rows_##T(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,       \
+                               float *y, int64_t ldy) {                                            \
+        const int64_t ldx = pc_q8_row_bytes(k);                                                    \
+        for (int64_t r = 0; r < m; r += 4) {                                                       \
+            const uint8_t *xr = x + r * ldx;                                                       \
+            float *yr = y + r * ldy;                                                               \
+            switch (m - r < 4 ? m - r : 4) {                                                       \
+            case 1: group_##T(group, k, xr, ldx, yr, ldy, 1); break;                               \
+            case 2: group_##T(group, k, xr, ldx, yr, ldy, 2); break;                               \
+            case 3: group_##T(group, k, xr, ldx, yr, ldy, 3); break;                               \
+            default: group_##T(group, k, xr, ldx, yr, ldy, 4); break;                              \
+            }                                                                                      \
+        }                                                                                          \
+    }
+GROUP_ROWS(q4_k_x8)
+GROUP_ROWS(q6_k_x8)
+
+/* Rows [n_begin, n_end) of a regrouped weight (`type`) against m input rows: whole groups
+   eight lanes at a time, a row of a group the range cuts through as stored (`row`: row_bytes
+   of scratch) by the row path, four input rows at a time. */
+static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *x, int64_t m,
+                   int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end, uint8_t *row) {
     for (int64_t j = n_begin; j < n_end;) {
         if (j % X8_ROWS == 0 && n_end - j >= X8_ROWS) {
-            group_rows_q4_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
+            if (type == PC_Q4_K_X8)
+                group_rows_q4_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
+            else
+                group_rows_q6_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
             j += X8_ROWS;
-        } else {
-            x8_q4_k_row(w, row_bytes, j, row);
-            for (int64_t r = 0; r < m; r += FEW_ROWS)
-                row_q4_k(row, row_bytes, x + r * pc_q8_row_bytes(k), k, y + r * ldy + j, ldy,
-                         m - r < FEW_ROWS ? m - r : FEW_ROWS);
-            j++;
+            continue;
         }
+        x8_row(type, w, row_bytes, j, row);
+        for (int64_t r = 0; r < m; r += FEW_ROWS) {
+            const int64_t R = m - r < FEW_ROWS ? m - r : FEW_ROWS;
+            const uint8_t *xr = x + r * pc_q8_row_bytes(k);
+            if (type == PC_Q4_K_X8)
+                row_q4_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+            else
+                row_q6_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+        }
+        j++;
     }
 }
 
@@ -326,12 +393,12 @@ int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_byte
                                 int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK;
-    if (type == PC_Q4_K_X8 && m <= X8_FEW_ROWS) {
+    if ((type == PC_Q4_K_X8 || type == PC_Q6_K_X8) && m <= X8_FEW_ROWS) {
         const int cut = n_begin % X8_ROWS != 0 || n_end % X8_ROWS != 0;
         uint8_t *row = cut ? malloc((size_t)row_bytes) : NULL;
         if (cut && row == NULL)
             return PC_NO_MEMORY;
-        few_q4_k_x8(w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end, row);
+        few_x8(type, w, row_bytes, prepared, m, k, y, ldy, n_begin, n_end, row);
         free(row);
         return PC_OK;
     }

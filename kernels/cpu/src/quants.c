@@ -416,10 +416,10 @@ static int64_t gemv_amx(row_fn row, const uint8_t *w, int64_t row_bytes, const f
 int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end);
 
-/* PC_FN(gemv) of a PC_Q4_K_X8 weight: each group's rows in the range taken back to their
-   stored bytes, then the Q4_K product over them */
-static int64_t gemv_x8(const uint8_t *w, int64_t row_bytes, const float *x, int64_t m, int64_t k,
-                       float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+/* PC_FN(gemv) of a regrouped weight (rows_x8.h): each group's rows in the range taken back
+   to their stored bytes, then the stored type's product over them */
+static int64_t gemv_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
+                       int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     uint8_t *stored = malloc((size_t)(X8_ROWS * row_bytes));
     if (stored == NULL)
         return PC_NO_MEMORY;
@@ -428,8 +428,9 @@ static int64_t gemv_x8(const uint8_t *w, int64_t row_bytes, const float *x, int6
         const int64_t lo = g > n_begin ? g : n_begin;
         const int64_t hi = g + X8_ROWS < n_end ? g + X8_ROWS : n_end;
         for (int64_t j = lo; j < hi; j++)
-            x8_q4_k_row(w, row_bytes, j, stored + (j - g) * row_bytes);
-        status = PC_FN(gemv)(PC_Q4_K, stored, row_bytes, x, m, k, y + g, ldy, lo - g, hi - g);
+            x8_row(type, w, row_bytes, j, stored + (j - g) * row_bytes);
+        status = PC_FN(gemv)(x8_stored_type(type), stored, row_bytes, x, m, k, y + g, ldy, lo - g,
+                             hi - g);
     }
     free(stored);
     return status;
@@ -442,9 +443,9 @@ static int64_t gemv_x8(const uint8_t *w, int64_t row_bytes, const float *x, int6
 int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
-        return PC_OK;       /* nothing to compute (a step with no sample) */
-    if (type == PC_Q4_K_X8) /* a layout for the int8 products: here a group at a time as stored */
-        return gemv_x8(w, row_bytes, x, m, k, y, ldy, n_begin, n_end);
+        return PC_OK;      /* nothing to compute (a step with no sample) */
+    if (type & PC_ROWS_X8) /* a layout for the int8 products: here a group at a time as stored */
+        return gemv_x8(type, w, row_bytes, x, m, k, y, ldy, n_begin, n_end);
     const int64_t block = m > GEMV_ROWS ? input_block(m, k) : m;
     if (block < m) { /* each block a product of its own (the amx path's split inputs too) */
         for (int64_t r = 0; r < m; r += block) {
@@ -484,11 +485,11 @@ int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const flo
    (out_type PC_F32 / PC_BF16), each weight the value gguf's dequantization gives. */
 int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
                        int64_t r_begin, int64_t r_end, void *out, int64_t ld, int64_t out_type) {
-    const int x8 = type == PC_Q4_K_X8;
-    const row_fn row = row_kernel(x8 ? PC_Q4_K : type);
+    const int x8 = (type & PC_ROWS_X8) != 0;
+    const row_fn row = row_kernel(x8_stored_type(type));
     if (row == NULL || (out_type != PC_F32 && out_type != PC_BF16))
         return PC_BAD_SHAPE;
-    /* a bf16 row's floats first, a PC_Q4_K_X8 row's stored bytes after them */
+    /* a bf16 row's floats first, a regrouped row's stored bytes after them */
     uint8_t *buf = malloc(sizeof(float) * (size_t)k + (x8 ? (size_t)row_bytes : 0));
     if (buf == NULL)
         return PC_NO_MEMORY;
@@ -496,7 +497,7 @@ int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_
     for (int64_t r = r_begin; r < r_end; r++) {
         const uint8_t *source = w + r * row_bytes;
         if (x8) {
-            x8_q4_k_row(w, row_bytes, r, stored);
+            x8_row(type, w, row_bytes, r, stored);
             source = stored;
         }
         if (out_type == PC_F32) {
@@ -515,8 +516,8 @@ int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_
 /* Rows ids[0..count) of a weight, dense fp32, to out [count, k]: an embedding lookup. */
 int64_t PC_FN(dequant_rows)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
                             const int64_t *ids, int64_t count, float *out) {
-    const int x8 = type == PC_Q4_K_X8;
-    const row_fn row = row_kernel(x8 ? PC_Q4_K : type);
+    const int x8 = (type & PC_ROWS_X8) != 0;
+    const row_fn row = row_kernel(x8_stored_type(type));
     if (row == NULL)
         return PC_BAD_SHAPE;
     uint8_t *stored = x8 ? malloc((size_t)row_bytes) : NULL;
@@ -524,7 +525,7 @@ int64_t PC_FN(dequant_rows)(int64_t type, const uint8_t *w, int64_t row_bytes, i
         return PC_NO_MEMORY;
     for (int64_t i = 0; i < count; i++) {
         if (x8)
-            x8_q4_k_row(w, row_bytes, ids[i], stored);
+            x8_row(type, w, row_bytes, ids[i], stored);
         row(x8 ? stored : w + ids[i] * row_bytes, k, out + i * k);
     }
     free(stored);

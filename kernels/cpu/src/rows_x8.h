@@ -1,18 +1,26 @@
-/* Q4_K weights regrouped eight rows at a time (PC_Q4_K_X8): the int8 products' layout.
+/* K-quant weights regrouped eight rows at a time (PC_Q4_K_X8, PC_Q6_K_X8): the int8
+   products' layout.
 
    A weight's rows in groups of eight (n a multiple of 8), each group the eight rows' bytes
    (8 row_bytes) in the same place the stored rows would take, so a row's group is at
    w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each) takes
-   X8_Q4_K_BLOCK = 8 * 144 bytes at b * X8_Q4_K_BLOCK:
+   eight blocks' bytes at b * 8 * block_bytes. Q4_K's (X8_Q4_K_BLOCK):
 
        [0, 16)      d of rows 0-7 (fp16)            [16, 32)   dmin of rows 0-7
        [32, 128)    the 12 bytes of six-bit scales and mins as three words, word w of row r
                     at 32 + 4 (8 w + r)
-       [128, 1152)  the nibbles: for each pair of sub-blocks p and each t < 8, four bytes of
-                    each row r at 128 + 256 p + 32 t + 4 r, its stored bytes 32 p + 4 t ..
+       [128, 1152)  the nibbles: for each run of 32 stored bytes p < 4 and each t < 8, four
+                    bytes of each row r at 128 + 256 p + 32 t + 4 r, its bytes 32 p + 4 t ..
+
+   Q6_K's (X8_Q6_K_BLOCK):
+
+       [0, 16)      d of rows 0-7 (fp16)
+       [16, 144)    the int8 scale of each 16 weights g < 16 of each row r at 16 + 8 g + r
+       [144, 1168)  the low four bits (ql), as Q4_K's nibbles: runs p < 4 at 144 + 256 p + ...
+       [1168, 1680) the high two bits (qh), the same way: runs p < 2 at 1168 + 256 p + ...
 
    so that one 32-byte load holds four weights of each of the eight rows, one row a 32-bit
-   lane, and a product accumulates each row's total in its own lane (dot_u, int8.h) with
+   lane, and a product accumulates each row's total in its own lane (dot_u_add, int8.h) with
    no sum across lanes. The same bytes as stored, moved: the file's values exactly. */
 #ifndef PAGECHAT_ROWS_X8_H
 #define PAGECHAT_ROWS_X8_H
@@ -27,31 +35,65 @@
 #define X8_Q4_K_DMIN 16
 #define X8_Q4_K_SCALES 32
 #define X8_Q4_K_QS 128
+#define X8_Q6_K_BLOCK (X8_ROWS * 210)
+#define X8_Q6_K_D 0
+#define X8_Q6_K_SCALES 16
+#define X8_Q6_K_QL 144
+#define X8_Q6_K_QH 1168
+
+/* `bytes` of stored row `s` at at_row and of its group `g` at at_group, moved one way */
+static inline void x8_move(uint8_t *g, int64_t at_group, uint8_t *s, int64_t at_row, size_t bytes,
+                           int to_group) {
+    if (to_group)
+        memcpy(g + at_group, s + at_row, bytes);
+    else
+        memcpy(s + at_row, g + at_group, bytes);
+}
+
+/* runs of 32 stored bytes at `row_at` (`runs` of them) in the four-bytes-a-row layout at
+   `group_at`, for row r */
+static inline void x8_move_runs(uint8_t *g, int64_t group_at, uint8_t *s, int64_t row_at, int runs,
+                                int r, int to_group) {
+    for (int p = 0; p < runs; p++)
+        for (int t = 0; t < 8; t++)
+            x8_move(g, group_at + 256 * p + 32 * t + 4 * r, s, row_at + 32 * p + 4 * t, 4,
+                    to_group);
+}
 
 /* Row r (< 8) of the group at `group` (blocks of 256 weights each), as stored, to `row`;
-   with `to_group` the other way, from `row` into the group. */
-static inline void x8_q4_k_move_row(uint8_t *group, int64_t blocks, int r, uint8_t *row,
-                                    int to_group) {
+   with `to_group` the other way, from `row` into the group. `type`: PC_Q4_K or PC_Q6_K. */
+static inline void x8_move_row(int64_t type, uint8_t *group, int64_t blocks, int r, uint8_t *row,
+                               int to_group) {
     for (int64_t b = 0; b < blocks; b++) {
-        uint8_t *g = group + b * X8_Q4_K_BLOCK, *s = row + b * 144;
-#define PC_MOVE(at_group, at_row, bytes)                                                           \
-    (to_group ? memcpy(g + (at_group), s + (at_row), bytes)                                        \
-              : memcpy(s + (at_row), g + (at_group), bytes))
-        PC_MOVE(X8_Q4_K_D + 2 * r, 0, 2);
-        PC_MOVE(X8_Q4_K_DMIN + 2 * r, 2, 2);
-        for (int w = 0; w < 3; w++)
-            PC_MOVE(X8_Q4_K_SCALES + 4 * (8 * w + r), 4 + 4 * w, 4);
-        for (int p = 0; p < 4; p++)
-            for (int t = 0; t < 8; t++)
-                PC_MOVE(X8_Q4_K_QS + 256 * p + 32 * t + 4 * r, 16 + 32 * p + 4 * t, 4);
-#undef PC_MOVE
+        if (type == PC_Q4_K) {
+            uint8_t *g = group + b * X8_Q4_K_BLOCK, *s = row + b * 144;
+            x8_move(g, X8_Q4_K_D + 2 * r, s, 0, 2, to_group);
+            x8_move(g, X8_Q4_K_DMIN + 2 * r, s, 2, 2, to_group);
+            for (int w = 0; w < 3; w++)
+                x8_move(g, X8_Q4_K_SCALES + 4 * (8 * w + r), s, 4 + 4 * w, 4, to_group);
+            x8_move_runs(g, X8_Q4_K_QS, s, 16, 4, r, to_group);
+        } else {
+            uint8_t *g = group + b * X8_Q6_K_BLOCK, *s = row + b * 210;
+            x8_move(g, X8_Q6_K_D + 2 * r, s, 208, 2, to_group);
+            for (int h = 0; h < 16; h++)
+                x8_move(g, X8_Q6_K_SCALES + 8 * h + r, s, 192 + h, 1, to_group);
+            x8_move_runs(g, X8_Q6_K_QL, s, 0, 4, r, to_group);
+            x8_move_runs(g, X8_Q6_K_QH, s, 128, 2, r, to_group);
+        }
     }
 }
 
-/* Row j of a PC_Q4_K_X8 weight `w` (rows of row_bytes) as stored, to `row` */
-static inline void x8_q4_k_row(const uint8_t *w, int64_t row_bytes, int64_t j, uint8_t *row) {
+/* The stored type of a regrouped one (PC_Q4_K_X8 -> PC_Q4_K), any other type as it is */
+static inline int64_t x8_stored_type(int64_t type) {
+    return type & ~(int64_t)PC_ROWS_X8;
+}
+
+/* Row j of a regrouped weight `w` of `type` (rows of row_bytes) as stored, to `row` */
+static inline void x8_row(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t j,
+                          uint8_t *row) {
+    const int64_t stored = x8_stored_type(type);
     uint8_t *group = (uint8_t *)w + j / X8_ROWS * X8_ROWS * row_bytes;
-    x8_q4_k_move_row(group, row_bytes / 144, (int)(j % X8_ROWS), row, 0);
+    x8_move_row(stored, group, row_bytes / pc_block_bytes(stored), (int)(j % X8_ROWS), row, 0);
 }
 
 #endif

@@ -308,10 +308,11 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
     }
 }
 
-/* `x8`: the weight is PC_Q4_K_X8, each row taken back to its stored bytes first */
+/* `x8`: the weight is regrouped (its type, rows_x8.h), each row taken back to its stored
+   bytes first; 0 where it is not */
 static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
                      const uint8_t *inputs, int64_t m, int64_t k, float *y, int64_t ldy,
-                     int64_t n_begin, int64_t n_end, int x8) {
+                     int64_t n_begin, int64_t n_end, int64_t x8) {
     const int64_t subs = k / 32, vectors = (m + VR - 1) / VR;
     const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
     const int64_t vector_bytes = side_by_side_bytes(k);
@@ -325,7 +326,7 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
         for (int i = 0; i < J; i++) {
             const uint8_t *row = w + (j + i) * row_bytes;
             if (x8) {
-                x8_q4_k_row(w, row_bytes, j + i, stored);
+                x8_row(x8, w, row_bytes, j + i, stored);
                 row = stored;
             }
             lay_out(row, row_bytes, subs, buf + i * stride);
@@ -356,7 +357,11 @@ int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const
     case PC_Q8_0: return TILES(q8_0, TILE_S);
     case PC_Q4_K: return TILES(q4_k, TILE_U32);
     case PC_Q4_K_X8:
-        return tiles(lay_out_q4_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end, 1);
+        return tiles(lay_out_q4_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
+                     type);
+    case PC_Q6_K_X8:
+        return tiles(lay_out_q6_k, TILE_SCALED16, w, row_bytes, inputs, m, k, y, ldy, n_begin,
+                     n_end, type);
     case PC_Q5_K: return TILES(q5_k, TILE_U32);
     case PC_Q6_K: return TILES(q6_k, TILE_SCALED16);
     default: return PC_BAD_SHAPE;
