@@ -144,6 +144,9 @@ class TextTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...  # the ids that end a turn
+
     def encode(self, text: str) -> list[int]: ...
 
     def encode_prompt(self, text: str) -> list[int]: ...

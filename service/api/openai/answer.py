@@ -64,6 +64,10 @@ class Answer:
         self.created = int(time.time())
         self.model = model
         self.tokenizer = engine.tokenizer
+        # The ids that end an answer without being part of its text (eos, <|im_end|>,
+        # stop_token_ids): the one that ends it gets no log-probability entry, as in OpenAI's.
+        ends = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        self._stop_ids = frozenset((*params.stop_token_ids, *ends))
         # Filled as outputs arrive.
         self.last: RequestOutput | None = None
         self.completion_tokens = 0
@@ -245,9 +249,12 @@ class Answer:
         }
 
     def _logprobs(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """OpenAI's entry per new token: the chosen token's, then the top ones'."""
+        """OpenAI's entry per new token of the text: the chosen token's, then the top ones'."""
+        chosen = out.logprobs or []
+        if chosen and out.finish_reason is FinishReason.STOP and chosen[-1][0][0] in self._stop_ids:
+            chosen = chosen[:-1]  # the stop token: not part of the answer
         entries = []
-        for (token_id, logprob), *top in out.logprobs or []:
+        for (token_id, logprob), *top in chosen:
             entry = self._token(token_id, logprob)
             entry["top_logprobs"] = [self._token(t, lp) for t, lp in top]
             entries.append(entry)

@@ -233,6 +233,35 @@ def test_logprobs_come_per_token_with_the_top_alternatives(server: ServerProcess
     assert all(e["top_logprobs"] == [] for e in tokens)
 
 
+def test_logprobs_end_with_the_answers_last_token_not_the_end_of_turn(
+    server: ServerProcess,
+) -> None:
+    """The <|im_end|> that ends an answer is no part of it: no entry, whole or streamed (as
+    OpenAI's); the usage still counts it, as the model generated it."""
+    body = {"messages": FRANCE, "max_tokens": 64, "temperature": 0, "logprobs": True}
+    status, result = post(server, body)
+    assert status == 200, result
+    (choice,) = result["choices"]
+    assert choice["finish_reason"] == "stop"
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"]
+    assert "<|im_end|>" not in [e["token"] for e in entries]
+    assert len(entries) == result["usage"]["completion_tokens"] - 1
+    chunks = [json.loads(e)["choices"] for e in stream(server, body)[:-1]]
+    streamed = [e for c in chunks if c and c[0]["logprobs"] for e in c[0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in entries]
+    assert chunks[-1][0]["finish_reason"] == "stop"
+    # A text completion's legacy logprobs, ended by a stop token id ("."): the same rule.
+    text_body = {"prompt": "The capital of France is", "max_tokens": 64, "temperature": 0}
+    text_body |= {"logprobs": 0, "stop_token_ids": [30]}
+    status, text = post(server, text_body, "/v1/completions")
+    assert status == 200, text
+    (choice,) = text["choices"]
+    assert choice["finish_reason"] == "stop" and "Paris" in choice["text"]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert len(choice["logprobs"]["tokens"]) == text["usage"]["completion_tokens"] - 1
+
+
 def test_logit_bias_steers_the_answer(server: ServerProcess) -> None:
     rome = gguf_tokenizer().encode(" Rome")
     assert len(rome) == 1
