@@ -139,7 +139,8 @@ class EnginePrecision:
 
 class TextTokenizer(Protocol):
     """What the service asks of the model's tokenizer (`engine/tokenizer.py` `Tokenizer`):
-    prompts are built and token ids checked with it; decoding stays on the engine thread."""
+    prompts are built and token ids checked with it, and /tokenize's ids shown; an answer's
+    decoding stays on the engine thread."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -152,6 +153,8 @@ class TextTokenizer(Protocol):
     def encode_prompt(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...  # the vocabulary's own string
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True

@@ -1,6 +1,7 @@
 """The Starlette app: /v1/chat (WebSocket), the OpenAI-compatible /v1/chat/completions and
-/v1/models, /health, /v1/stats, /v1/kv and /metrics; the browser chat page at / and the live
-view of the KV pools at /kv, and their icon at /favicon.ico."""
+/v1/models (and vLLM's /tokenize and /detokenize), /health, /v1/stats, /v1/kv and /metrics;
+the browser chat page at / and the live view of the KV pools at /kv, and their icon at
+/favicon.ico."""
 
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ def create_app(hub: Hub) -> Starlette:
             Route("/v1/completions", guarded(openai.create_text), methods=["POST"]),
             Route("/v1/models", guarded(openai.models)),
             Route("/v1/models/{name:path}", guarded(openai.model)),
+            Route("/tokenize", guarded(openai.tokenize), methods=["POST"]),  # vLLM's
+            Route("/detokenize", guarded(openai.detokenize), methods=["POST"]),
             Route("/metrics", metrics),
             Route("/", index),
             Route("/kv", kv_page_view),

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP: POST /v1/chat/completions and /v1/completions (JSON, or an SSE
-stream), GET /v1/models and /v1/models/{name}.
+stream), GET /v1/models and /v1/models/{name}; vLLM's POST /tokenize and /detokenize.
 
 Stateless: each request carries its whole conversation, rendered with the model's chat
 template (message contents as plain text, never special tokens). The prefix cache still
@@ -50,6 +50,7 @@ from service.api.openai.completion_request import (
 from service.api.openai.errors import OpenAIError, invalid, model_not_found, refusal_error
 from service.api.openai.params import structured_output
 from service.api.openai.sse import EventStream, until_disconnected
+from service.api.openai.tokenize import detokenize_request, tokenize_request
 from service.api.openai.tools import Tools, parameters_of
 from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.serving import ServingEngine
@@ -88,7 +89,8 @@ class OpenAIParts:
 
 
 class OpenAIRoutes:
-    """The handlers of OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models."""
+    """The handlers of OpenAI's API: /v1/chat/completions, /v1/completions and /v1/models;
+    and of vLLM's /tokenize and /detokenize."""
 
     def __init__(self, parts: Callable[[], OpenAIParts]) -> None:
         self._parts = parts
@@ -123,6 +125,35 @@ class OpenAIRoutes:
         """POST /v1/completions."""
         return await self._answer(request, self._text)
 
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's): a prompt's or a conversation's token ids."""
+        return await self._reply(
+            request,
+            lambda body, p: tokenize_request(
+                body, p.names, p.chat_format, p.limits, p.max_model_len
+            ),
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's): token ids as text."""
+        return await self._reply(
+            request,
+            lambda body, p: detokenize_request(body, p.names, p.engine.tokenizer, p.max_model_len),
+        )
+
+    async def _reply(
+        self, request: Request, handle: Callable[[bytes, OpenAIParts], dict[str, Any]]
+    ) -> Response:
+        """A request answered at once, on the event loop, without the engine."""
+        parts = self.parts
+        try:
+            result = handle(await self._read(request, parts.limits), parts)
+        except OpenAIError as exc:
+            return self._error(exc, parts)
+        except ClientDisconnect:
+            return self._left(request, parts)
+        return Response(_json.encode(result), media_type="application/json")
+
     @staticmethod
     def _chat(
         body: bytes, parts: OpenAIParts
@@ -156,27 +187,12 @@ class OpenAIRoutes:
         parts = self.parts
         limits = parts.limits
         try:
-            async with asyncio.timeout(limits.body_timeout_s):
-                body = await _body(request, limits.max_body_bytes)
-            req, prompt, params = parse(body, parts)
+            req, prompt, params = parse(await self._read(request, limits), parts)
             await _check_structured(parts.engine, req, params)
         except OpenAIError as exc:
             return self._error(exc, parts)
-        except TimeoutError:
-            stalled = OpenAIError(
-                408,
-                f"the request's body did not arrive within {limits.body_timeout_s:g} s",
-                "request_timeout",
-                headers={"Connection": "close"},  # what is left of the body is never read
-            )
-            return self._error(stalled, parts)
         except ClientDisconnect:
-            # The client's own doing: one line, not a server error with a traceback.
-            log.info(
-                "%s %s: the client left before its body ended", request.method, request.url.path
-            )
-            parts.metrics.errors.labels("client_disconnected").inc()
-            return Response(status_code=499)
+            return self._left(request, parts)
         refusal = parts.admission.begin_answer()
         if refusal is not None:
             parts.metrics.errors.labels(refusal.reason.value).inc()
@@ -203,6 +219,27 @@ class OpenAIRoutes:
         if answer.cancelled():
             return Response(status_code=499)  # nobody is there to read it
         return answer.result()
+
+    @staticmethod
+    async def _read(request: Request, limits: Limits) -> bytes:
+        """The body: OpenAIError for one over the limit (413) or not there in time (408)."""
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                return await _body(request, limits.max_body_bytes)
+        except TimeoutError:
+            raise OpenAIError(
+                408,
+                f"the request's body did not arrive within {limits.body_timeout_s:g} s",
+                "request_timeout",
+                headers={"Connection": "close"},  # what is left of the body is never read
+            ) from None
+
+    @staticmethod
+    def _left(request: Request, parts: OpenAIParts) -> Response:
+        # The client's own doing: one line, not a server error with a traceback.
+        log.info("%s %s: the client left before its body ended", request.method, request.url.path)
+        parts.metrics.errors.labels("client_disconnected").inc()
+        return Response(status_code=499)
 
     @staticmethod
     def _error(exc: OpenAIError, parts: OpenAIParts) -> Response:
@@ -248,14 +285,14 @@ async def _check_tool_parameters(engine: ServingEngine, tools: Tools) -> None:
 
 async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404s and 405s, and any error no endpoint caught (a 500): in OpenAI's
-    error shape under /v1/, so that a client of the API always gets JSON; as plain text
-    elsewhere, as Starlette writes them."""
+    error shape under /v1/ and on /tokenize and /detokenize, so that a client of the API
+    always gets JSON; as plain text elsewhere, as Starlette writes them."""
     if isinstance(exc, HTTPException):
         status, detail, headers = exc.status_code, exc.detail, exc.headers
     else:
         status, detail, headers = 500, "Internal Server Error", None
     path = request.url.path
-    if not path.startswith("/v1/"):
+    if not path.startswith("/v1/") and path not in ("/tokenize", "/detokenize"):
         return PlainTextResponse(detail, status, headers=headers)
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "internal_error")
     message = f"{request.method} {path}: {detail}"
