@@ -70,14 +70,12 @@ class Blocks:
     kind: WeightType
     data: Tensor
     k: int
-    # Q4_K and Q6_K: its rows regrouped eight at a time for the int8 products (ROWS_X8)
+    # the K types: its rows regrouped eight at a time for the int8 products (ROWS_X8)
     rows_x8: bool = False
 
     def __post_init__(self) -> None:
         if self.rows_x8 and (self.kind not in REGROUPED or self.data.shape[0] % 8):
-            raise ValueError(
-                "rows regrouped eight at a time: Q4_K or Q6_K of a multiple of 8 rows only"
-            )
+            raise ValueError("rows regrouped eight at a time: K types of a multiple of 8 rows only")
         width = row_bytes(self.kind, self.k)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != width:
             raise ValueError(
@@ -109,13 +107,13 @@ class Blocks:
         return stored_rows_x8(self.kind, self.data) if self.rows_x8 else self.data
 
 
-# NOTE (ROWS_X8): where the products take int8 inputs, a Q4_K or Q6_K weight's rows are
+# NOTE (ROWS_X8): where the products take int8 inputs, a K type's (Q4_K, Q5_K, Q6_K) rows are
 # regrouped eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by
 # side, their integers four bytes of each row at a time, so that a product keeps each row's
 # sums in its own vector lane and never sums across lanes (the scales of eight rows unpacked
 # at once). The same bytes, moved: each row's values are the file's.
 ROWS_X8 = 0x100
-REGROUPED = (WeightType.Q4_K, WeightType.Q6_K)
+REGROUPED = (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)
 
 
 def _runs(part: Tensor, runs: int) -> Tensor:
@@ -135,14 +133,16 @@ def stored_rows_x8(kind: WeightType, data: Tensor) -> Tensor:
     def per_row(part: Tensor, size: int) -> Tensor:  # [8 rows, size] a block
         return part.reshape(groups, blocks, 8, size)
 
-    if kind == WeightType.Q4_K:
+    if kind in (WeightType.Q4_K, WeightType.Q5_K):
         words = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)
         parts = [
             per_row(g[..., 0:16], 2),  # d
             per_row(g[..., 16:32], 2),  # dmin
             words.reshape(groups, blocks, 8, 12),
-            _runs(g[..., 128:], 4),
         ]
+        if kind == WeightType.Q5_K:  # the fifth bits
+            parts.append(_runs(g[..., 128:384], 1))
+        parts.append(_runs(g[..., 128 if kind == WeightType.Q4_K else 384 :], 4))
     else:  # Q6_K: ql, qh, the scales per 16, d
         scales = g[..., 16:144].reshape(groups, blocks, 16, 8).transpose(2, 3)
         parts = [

@@ -190,8 +190,9 @@ def dequantize_rows(kernels: KernelSet, weight: Blocks, ids: Tensor) -> Tensor:
 
 
 def regroup_rows_x8(kernels: KernelSet, weight: Blocks) -> Blocks:
-    """A Q4_K or Q6_K weight of a multiple of 8 rows with its rows regrouped eight at a time,
-    in place (formats.py, ROWS_X8): the same tensor, its rows no longer as stored."""
+    """A K-type weight (Q4_K, Q5_K, Q6_K) of a multiple of 8 rows with its rows regrouped
+    eight at a time, in place (formats.py, ROWS_X8): the same tensor, its rows no longer as
+    stored."""
     if weight.rows_x8:
         return weight
     status = kernels.lib.pc_rows_x8(

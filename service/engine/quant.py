@@ -84,8 +84,9 @@ class PackedWeight:
         return self
 
     def regrouped(self, kernels: KernelSet) -> PackedWeight:
-        """This weight with each Q4_K or Q6_K part of a multiple of 8 rows regrouped eight
-        rows at a time, in place (formats.py, ROWS_X8): where the products take int8 inputs."""
+        """This weight with each K-type part (Q4_K, Q5_K, Q6_K) of a multiple of 8 rows
+        regrouped eight rows at a time, in place (formats.py, ROWS_X8): where the products
+        take int8 inputs."""
         return PackedWeight(
             tuple(
                 ops.regroup_rows_x8(kernels, p) if p.kind in REGROUPED and p.n % 8 == 0 else p

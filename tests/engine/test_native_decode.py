@@ -62,8 +62,8 @@ def mixed_types(kernels: KernelSet) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def mixed_types_int8(kernels: KernelSet) -> LoadedModel:
-    """`mixed_types` with int8 inputs in its products, its Q4_K and Q6_K rows regrouped eight
-    at a time for them (as `weight_layout` auto loads them)."""
+    """`mixed_types` with int8 inputs in its products, its K-type rows regrouped eight at a
+    time for them (as `weight_layout` auto loads them)."""
     return _mixed_types(kernels.with_matmul_inputs("int8"), regroup_rows=True)
 
 
@@ -104,11 +104,12 @@ def _mixed_types(kernels: KernelSet, regroup_rows: bool = False) -> LoadedModel:
 def test_regrouped_rows_answer_with_the_stored_rows_bits(
     make_engine: EngineFactory, mixed_types_int8: LoadedModel, kernels: KernelSet
 ) -> None:
-    # Q, K (Q4_K), V, down and the LM head (Q6_K) regrouped eight rows at a time; o, gate
-    # and up as stored: every logit the same bits as with every weight as stored, in decode
-    # steps of one to three rows and prefill chunks.
-    qkv, down, o_proj = _layer_weights(mixed_types_int8)
-    assert [p.rows_x8 for p in (*qkv.parts, *down.parts, *o_proj.parts)] == [1, 1, 1, 1, 0]
+    # Q, K (Q4_K), V, down, the LM head (Q6_K) and o (Q5_K) regrouped eight rows at a time;
+    # gate (Q5_0) and up (Q8_0) as stored: every logit the same bits as with every weight as
+    # stored, in decode steps of one to three rows and prefill chunks.
+    qkv, down, o_proj, gate_up = _layer_weights(mixed_types_int8)
+    regrouped = [p.rows_x8 for w in (qkv, down, o_proj, gate_up) for p in w.parts]
+    assert regrouped == [True] * 5 + [False] * 2
     stored = _mixed_types(kernels.with_matmul_inputs("int8"))
     assert not any(p.rows_x8 for w in _layer_weights(stored) for p in w.parts)
     prompts = {"a": [(7 * j) % 300 + 5 for j in range(40)], "b": [11, 12, 13], "c": [9] * 20}
@@ -123,7 +124,9 @@ def test_regrouped_rows_answer_with_the_stored_rows_bits(
 
 def _layer_weights(loaded: LoadedModel) -> list[PackedWeight]:
     layer = loaded.model.layers[0]
-    return [layer.attn.qkv.weight, layer.mlp.down.weight, layer.attn.o_proj.weight]
+    return [
+        w.weight for w in (layer.attn.qkv, layer.mlp.down, layer.attn.o_proj, layer.mlp.gate_up)
+    ]
 
 
 # Tiny random models of each family in tests/engine/families' shape (heads of 16), packed as

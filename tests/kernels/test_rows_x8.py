@@ -1,8 +1,9 @@
-"""Q4_K and Q6_K weights with their rows regrouped eight at a time (kernels/cpu/src/rows_x8.h,
-formats.py ROWS_X8), every version this CPU executes: the same bytes moved, and every kernel
-that reads a weight gives each output the same bits from them as from the rows as stored: the
-int8 products (eight rows in the lanes for up to 16 input rows; side by side beyond), the fp32
-products, the dequantization and the embedding lookup, at any split of the rows."""
+"""K-type weights (Q4_K, Q5_K, Q6_K) with their rows regrouped eight at a time
+(kernels/cpu/src/rows_x8.h, formats.py ROWS_X8), every version this CPU executes: the same
+bytes moved, and every kernel that reads a weight gives each output the same bits from them as
+from the rows as stored: the int8 products (eight rows in the lanes for up to 16 input rows;
+side by side beyond), the fp32 products, the dequantization and the embedding lookup, at any
+split of the rows."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def regrouped(kernels: KernelSet, weight: Blocks) -> Blocks:
     return ops.regroup_rows_x8(kernels, copy)
 
 
-KINDS = [WeightType.Q4_K, WeightType.Q6_K]
+KINDS = [WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -45,18 +46,18 @@ def test_regrouping_moves_the_bytes_and_back(cpu: KernelSet, kind: WeightType) -
     assert status == 0 and torch.equal(x8.data, weight.data)
 
 
-def test_only_q4_k_and_q6_k_of_whole_groups_are_regrouped(cpu: KernelSet) -> None:
+def test_only_k_types_of_whole_groups_are_regrouped(cpu: KernelSet) -> None:
     gen = torch.Generator().manual_seed(2)
-    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q5_K, 16), (WeightType.Q8_0, 16)):
+    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q4_1, 16), (WeightType.Q8_0, 16)):
         weight = random_blocks(kind, rows, 256, gen)
         with pytest.raises(ValueError):
             ops.regroup_rows_x8(cpu, weight)
         with pytest.raises(ValueError):
             Blocks(kind, weight.data, 256, rows_x8=True)
     q4 = random_blocks(WeightType.Q4_K, 16, 256, gen)
-    q5 = random_blocks(WeightType.Q5_K, 16, 256, gen)
+    q8 = random_blocks(WeightType.Q8_0, 16, 256, gen)
     odd = random_blocks(WeightType.Q6_K, 12, 256, gen)
-    parts = PackedWeight((q4, q5, odd)).regrouped(cpu).parts
+    parts = PackedWeight((q4, q8, odd)).regrouped(cpu).parts
     assert [p.rows_x8 for p in parts] == [True, False, False]
     with pytest.raises(ValueError):
         PackedWeight((parts[0],)).map_rows(lambda w: w.flip(0))
@@ -83,7 +84,7 @@ def test_any_split_of_the_rows_is_the_same_bits(
     gen = torch.Generator().manual_seed(10 + rows)
     weight = random_blocks(kind, 48, 512, gen)
     x8 = regrouped(int8, weight)
-    v = random_blocks(WeightType.Q5_K, 16, 512, gen)  # a fused projection's other part
+    v = random_blocks(WeightType.Q8_0, 16, 512, gen)  # a fused projection's other part
     x = torch.randn(rows, 512, generator=gen)
     want = ops.gemv_threads(int8, [weight, v], x, 1)
     for threads in (1, 2, 3, 7):

@@ -191,7 +191,7 @@ DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
 DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
-/* ---- K-quants with eight rows in the lanes (PC_Q4_K_X8, PC_Q6_K_X8: rows_x8.h) ---------- */
+/* ---- K-quants with eight rows in the lanes (PC_Q4_K_X8, PC_Q5_K_X8, PC_Q6_K_X8) ---------- */
 #define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
 /* Up to this many input rows, a regrouped weight's groups take them four at a time; more,
    side by side (each weight row read back as stored) */
@@ -207,22 +207,25 @@ static inline v8 lane_bytes(v8i packed, int at) {
     return v8_from_ints(v8i_and(v8i_shr(packed, 8 * at), 0xFF));
 }
 
-/* The eight rows of `group` against R <= 4 input rows (x, rows ldx apart), to y + r ldy
-   [0..8). Lane j is weight row j's, and its terms are taken in the canonical order: acc[r][l]
-   here is lane l of the row path's accumulators (row_q4_k), each sub-block's exact total
-   times a d_x, then its offset, and the end is v8_sum's tree. So each output is the row
-   path's bits, read without a sum across lanes: the integers of a sub-block build up in
-   their row's lane. A sub-block's weights are unpacked once for the R input rows. */
-static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
-                                                                const uint8_t *x, int64_t ldx,
-                                                                float *y, int64_t ldy,
-                                                                const int R) {
+/* The eight rows of a PC_Q4_K_X8 `group` (`fifth`: PC_Q5_K_X8, a fifth bit a weight) against
+   R <= 4 input rows (x, rows ldx apart), to y + r ldy [0..8). Lane j is weight row j's, and its
+   terms are taken in the canonical order: acc[r][l] here is lane l of the row path's accumulators
+   (row_q4_k), each sub-block's exact total times a d_x, then its offset, and the end is v8_sum's
+   tree. So each output is the row path's bits, read without a sum across lanes: the integers of a
+   sub-block build up in their row's lane. A sub-block's weights are unpacked once for the R input
+   rows. */
+static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *group, int64_t k,
+                                                             const uint8_t *x, int64_t ldx,
+                                                             float *y, int64_t ldy, const int R,
+                                                             const int fifth) {
+    const int64_t block_bytes = fifth ? X8_Q5_K_BLOCK : X8_Q4_K_BLOCK;
+    const int64_t qs_at = fifth ? X8_Q5_K_QS : X8_Q4_K_QS;
     v8 acc[4][CHUNK];
     for (int r = 0; r < R; r++)
         for (int l = 0; l < CHUNK; l++)
             acc[r][l] = v8_zero();
     for (int64_t b = 0; b < k / 256; b++) {
-        const uint8_t *g = group + b * X8_Q4_K_BLOCK;
+        const uint8_t *g = group + b * block_bytes;
         const v8 d = v8_from_fp16x8(g + X8_Q4_K_D);
         const v8 neg_dmin = v8_mul(v8_from_fp16x8(g + X8_Q4_K_DMIN), v8_set1(-1.0f));
         /* k_scales (weights_q8.h), eight rows at once */
@@ -235,10 +238,13 @@ static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *g
                              v8i_or(v8i_and(v8i_shr(w2, 4), 0x0F0F0F0Fu),
                                     v8i_shl(v8i_and(v8i_shr(w1, 6), 0x03030303u), 4))};
         for (int l = 0; l < CHUNK; l++) {
-            const uint8_t *qs = g + X8_Q4_K_QS + 256 * (l / 2);
+            const uint8_t *qs = g + qs_at + 256 * (l / 2);
             q32 u[8];
-            for (int t = 0; t < 8; t++)
+            for (int t = 0; t < 8; t++) {
                 u[t] = nibbles_32(qs + 32 * t, l & 1);
+                if (fifth) /* Q5_K: bit l of each qh byte, the weight's 16 */
+                    u[t] = q_or(u[t], q_shl4(shifted_bits(g + X8_Q5_K_QH + 32 * t, l, 1)));
+            }
             const v8 a = v8_mul(d, lane_bytes(scales[l / 4], l % 4));
             const v8 offset = v8_mul(neg_dmin, lane_bytes(mins[l / 4], l % 4));
             for (int r = 0; r < R; r++) {
@@ -257,6 +263,19 @@ static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *g
         const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
         v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
     }
+}
+
+static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    group_k_x8(group, k, x, ldx, y, ldy, R, 0);
+}
+static inline __attribute__((always_inline)) void group_q5_k_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    group_k_x8(group, k, x, ldx, y, ldy, R, 1);
 }
 
 /* The eight rows of a PC_Q6_K_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
@@ -309,7 +328,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
     }
 }
 
-/* a group of `type` (PC_Q4_K_X8 or PC_Q6_K_X8) against m input rows, four at a time */
+/* a regrouped group against m input rows, four at a time */
 #define GROUP_ROWS(T)                                                                              \
     static void group_rows_##T(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,       \
                                float *y, int64_t ldy) {                                            \
@@ -326,6 +345,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
         }                                                                                          \
     }
 GROUP_ROWS(q4_k_x8)
+GROUP_ROWS(q5_k_x8)
 GROUP_ROWS(q6_k_x8)
 
 /* Rows [n_begin, n_end) of a regrouped weight (`type`) against m input rows: whole groups
@@ -335,10 +355,13 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
                    int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end, uint8_t *row) {
     for (int64_t j = n_begin; j < n_end;) {
         if (j % X8_ROWS == 0 && n_end - j >= X8_ROWS) {
+            const uint8_t *group = w + j * row_bytes;
             if (type == PC_Q4_K_X8)
-                group_rows_q4_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
+                group_rows_q4_k_x8(group, k, x, m, y + j, ldy);
+            else if (type == PC_Q5_K_X8)
+                group_rows_q5_k_x8(group, k, x, m, y + j, ldy);
             else
-                group_rows_q6_k_x8(w + j * row_bytes, k, x, m, y + j, ldy);
+                group_rows_q6_k_x8(group, k, x, m, y + j, ldy);
             j += X8_ROWS;
             continue;
         }
@@ -348,6 +371,8 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
             const uint8_t *xr = x + r * pc_q8_row_bytes(k);
             if (type == PC_Q4_K_X8)
                 row_q4_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+            else if (type == PC_Q5_K_X8)
+                row_q5_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
             else
                 row_q6_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
         }
@@ -393,7 +418,7 @@ int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_byte
                                 int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK;
-    if ((type == PC_Q4_K_X8 || type == PC_Q6_K_X8) && m <= X8_FEW_ROWS) {
+    if ((type & PC_ROWS_X8) && m <= X8_FEW_ROWS) {
         const int cut = n_begin % X8_ROWS != 0 || n_end % X8_ROWS != 0;
         uint8_t *row = cut ? malloc((size_t)row_bytes) : NULL;
         if (cut && row == NULL)

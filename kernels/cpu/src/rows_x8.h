@@ -1,5 +1,5 @@
-/* K-quant weights regrouped eight rows at a time (PC_Q4_K_X8, PC_Q6_K_X8): the int8
-   products' layout.
+/* K-quant weights regrouped eight rows at a time (PC_Q4_K_X8, PC_Q5_K_X8, PC_Q6_K_X8): the
+   int8 products' layout.
 
    A weight's rows in groups of eight (n a multiple of 8), each group the eight rows' bytes
    (8 row_bytes) in the same place the stored rows would take, so a row's group is at
@@ -11,6 +11,9 @@
                     at 32 + 4 (8 w + r)
        [128, 1152)  the nibbles: for each run of 32 stored bytes p < 4 and each t < 8, four
                     bytes of each row r at 128 + 256 p + 32 t + 4 r, its bytes 32 p + 4 t ..
+
+   Q5_K's (X8_Q5_K_BLOCK): Q4_K's first 128 bytes, then the fifth bits (qh) as its nibbles,
+   one run at [128, 384), then the nibbles at [384, 1408).
 
    Q6_K's (X8_Q6_K_BLOCK):
 
@@ -35,6 +38,9 @@
 #define X8_Q4_K_DMIN 16
 #define X8_Q4_K_SCALES 32
 #define X8_Q4_K_QS 128
+#define X8_Q5_K_BLOCK (X8_ROWS * 176)
+#define X8_Q5_K_QH 128
+#define X8_Q5_K_QS 384
 #define X8_Q6_K_BLOCK (X8_ROWS * 210)
 #define X8_Q6_K_D 0
 #define X8_Q6_K_SCALES 16
@@ -61,17 +67,24 @@ static inline void x8_move_runs(uint8_t *g, int64_t group_at, uint8_t *s, int64_
 }
 
 /* Row r (< 8) of the group at `group` (blocks of 256 weights each), as stored, to `row`;
-   with `to_group` the other way, from `row` into the group. `type`: PC_Q4_K or PC_Q6_K. */
+   with `to_group` the other way, from `row` into the group. `type`: PC_Q4_K, PC_Q5_K or
+   PC_Q6_K. */
 static inline void x8_move_row(int64_t type, uint8_t *group, int64_t blocks, int r, uint8_t *row,
                                int to_group) {
     for (int64_t b = 0; b < blocks; b++) {
-        if (type == PC_Q4_K) {
-            uint8_t *g = group + b * X8_Q4_K_BLOCK, *s = row + b * 144;
+        if (type == PC_Q4_K || type == PC_Q5_K) { /* Q5_K: Q4_K's scales, then qh and qs */
+            const int64_t bytes = pc_block_bytes(type);
+            uint8_t *g = group + b * X8_ROWS * bytes, *s = row + b * bytes;
             x8_move(g, X8_Q4_K_D + 2 * r, s, 0, 2, to_group);
             x8_move(g, X8_Q4_K_DMIN + 2 * r, s, 2, 2, to_group);
             for (int w = 0; w < 3; w++)
                 x8_move(g, X8_Q4_K_SCALES + 4 * (8 * w + r), s, 4 + 4 * w, 4, to_group);
-            x8_move_runs(g, X8_Q4_K_QS, s, 16, 4, r, to_group);
+            if (type == PC_Q4_K) {
+                x8_move_runs(g, X8_Q4_K_QS, s, 16, 4, r, to_group);
+            } else {
+                x8_move_runs(g, X8_Q5_K_QH, s, 16, 1, r, to_group);
+                x8_move_runs(g, X8_Q5_K_QS, s, 48, 4, r, to_group);
+            }
         } else {
             uint8_t *g = group + b * X8_Q6_K_BLOCK, *s = row + b * 210;
             x8_move(g, X8_Q6_K_D + 2 * r, s, 208, 2, to_group);
