@@ -403,7 +403,7 @@ class LlamaModel(nn.Module):
         `dense_dtype` (bf16 where the CPU has fast bf16 matmuls, fp32 where not): prefill
         chunks and mixed steps, where the GEMV is slower. `threads` 2 splits every native
         product with the CPU kernels' helper thread. `regroup_rows` regroups the matmuls'
-        Q4_K weights eight rows at a time (`PackedWeight.regrouped`; not an embedding that
+        K-type weights eight rows at a time (`PackedWeight.regrouped`; not an embedding that
         no LM head shares).
         """
         with torch.device("meta"):
