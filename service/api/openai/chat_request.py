@@ -1,6 +1,6 @@
-"""The OpenAI chat completion request: its fields, and how one becomes a prompt and sampling
-parameters, or an `OpenAIError` in OpenAI's shape (`{"error": {"message", "type", "param",
-"code"}}`) saying what is wrong with it.
+"""The OpenAI chat completion request: its fields, and how one becomes a prompt and one
+`AskedSampling` (its `sampling`), or an `OpenAIError` in OpenAI's shape (`{"error":
+{"message", "type", "param", "code"}}`) saying what is wrong with it.
 
 NOTE (schema): as vLLM's server does, every field of OpenAI's request is accepted, and an
 explicit null means the field's default. A field is honoured, or ignored (metadata and hints
@@ -17,12 +17,7 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.openai.errors import context_exceeded, invalid, unsupported
-from service.api.openai.params import (
-    SamplingFields,
-    decode_fields,
-    engine_params,
-    structured_output,
-)
+from service.api.openai.params import SamplingFields, decode_fields, structured_output
 from service.api.openai.tools import (
     ToolCall,
     Tools,
@@ -32,8 +27,7 @@ from service.api.openai.tools import (
     system_text,
     tools_of,
 )
-from service.engine.params import SamplingParams
-from service.engine.values import TextTokenizer
+from service.api.sampling import AskedSampling
 from service.sessions.prompt import ChatFormat, TemplateError
 
 ROLES = {
@@ -106,6 +100,24 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     prediction: Any = None
     web_search_options: Any = None
     moderation: Any = None
+
+    def sampling(self) -> AskedSampling:
+        """This request's sampling fields as the one value the builder checks
+        (`service.api.sampling.sampling_params`): max_completion_tokens wins over max_tokens,
+        top_logprobs counts only with logprobs, and forced tool calls are the answer's
+        grammar (their arguments held to the functions' schemas)."""
+        named = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        asked = self.shared_sampling(
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None,
+            {"max_tokens": named, "logprobs": "top_logprobs", "prompt": "messages"},
+        )
+        tools = request_tools(self)
+        if tools.constrained:
+            return msgspec.structs.replace(asked, structured=call_grammar(tools))
+        return asked
 
 
 def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionRequest:
@@ -230,29 +242,6 @@ def _with_tools(rendered: list[dict[str, str]], tools: Tools) -> list[dict[str, 
         first = rendered[0]
         return [{**first, "content": f"{first['content']}\n\n{text}"}, *rendered[1:]]
     return [{"role": "system", "content": text}, *rendered]
-
-
-def chat_params(
-    req: ChatCompletionRequest,
-    limits: Limits,
-    prompt_tokens: int,
-    max_model_len: int,
-    vocab_size: int | None = None,
-    tokenizer: TextTokenizer | None = None,
-) -> SamplingParams:
-    """A chat request's sampling fields as the engine's parameters."""
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    default = limits.default_max_tokens
-    named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    params = engine_params(
-        req, limits, prompt_tokens, max_model_len, asked, default, logprobs, vocab_size,
-        max_tokens_param=named, tokenizer=tokenizer,
-    )  # fmt: skip
-    tools = request_tools(req)
-    if tools.constrained:  # the answer is calls whose arguments match their schemas
-        params = msgspec.structs.replace(params, structured=call_grammar(tools))
-    return params
 
 
 def _text(content: str | list[ContentPart] | None, param: str) -> str:

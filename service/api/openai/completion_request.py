@@ -12,8 +12,8 @@ from service.api.openai.errors import (
     invalid,
     unsupported,
 )
-from service.api.openai.params import SamplingFields, decode_fields, engine_params
-from service.engine.params import SamplingParams
+from service.api.openai.params import SamplingFields, decode_fields
+from service.api.sampling import AskedSampling
 from service.engine.values import TextTokenizer
 
 MAX_LOGPROBS = 20
@@ -29,6 +29,11 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
     best_of: int | None = None  # only n
     echo: bool | None = None  # only false
     suffix: str | None = None  # only null
+
+    def sampling(self) -> AskedSampling:
+        """This request's sampling fields as the one value the builder checks
+        (`service.api.sampling.sampling_params`)."""
+        return self.shared_sampling(self.max_tokens, self.logprobs, {"prompt": "prompt"})
 
 
 def decode_completion_request(body: bytes, served: tuple[str, ...]) -> CompletionRequest:
@@ -70,27 +75,3 @@ def completion_prompt(
     if not ids:
         raise invalid("prompt must not be empty", "prompt")
     return ids
-
-
-def completion_params(
-    req: CompletionRequest,
-    limits: Limits,
-    prompt_tokens: int,
-    max_model_len: int,
-    vocab_size: int | None = None,
-    tokenizer: TextTokenizer | None = None,
-) -> SamplingParams:
-    default = limits.default_completion_tokens
-    return engine_params(
-        req,
-        limits,
-        prompt_tokens,
-        max_model_len,
-        req.max_tokens,
-        default,
-        req.logprobs,
-        vocab_size,
-        logprobs_param="logprobs",
-        prompt_param="prompt",
-        tokenizer=tokenizer,
-    )

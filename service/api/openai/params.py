@@ -1,5 +1,6 @@
-"""OpenAI's sampling fields, shared by chat and text completions, as the engine's
-SamplingParams; and the fields accepted only at the value this server always behaves as."""
+"""OpenAI's sampling fields, shared by chat and text completions, as one `AskedSampling`
+(service/api/sampling.py builds the engine's SamplingParams from it); the fields accepted only
+at the value this server always behaves as; the builder's refusals in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -8,18 +9,22 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.frames import ResponseFormat
-from service.api.limits import Limits
 from service.api.nesting import nesting_message, too_deep
-from service.api.openai.errors import context_exceeded, decode_error, invalid, model_not_found
-from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
+from service.api.openai.errors import (
+    OpenAIError,
+    context_exceeded,
+    decode_error,
+    invalid,
+    model_not_found,
+)
+from service.api.sampling import AskedSampling, SamplingError, SamplingErrorKind
 from service.api.structured import (
     StructuredError,
     StructuredOutputs,
     from_response_format,
     from_vllm_fields,
 )
-from service.engine.params import SamplingParams, StructuredOutput
-from service.engine.values import TextTokenizer
+from service.engine.params import StructuredOutput
 
 # Fields accepted at the value this server always behaves as, refused at any other.
 NEUTRAL = {
@@ -89,6 +94,37 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
 
+    def shared_sampling(
+        self, max_tokens: int | None, logprobs: int | None, names: dict[str, str]
+    ) -> AskedSampling:
+        """These fields as the one value `sampling_params` checks (each request's `sampling`
+        adds its own); OpenAIError for one that is not a value at all. Nulls are defaults."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4:
+            raise invalid("stop takes at most 4 strings", "stop")
+        structured = structured_output(self)
+        return AskedSampling(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,  # vLLM's -1: off
+            n=1 if self.n is None else self.n,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+            logit_bias=_logit_bias(self.logit_bias or {}),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            bad_words=tuple(self.bad_words or ()),
+            structured=None if structured is None else structured[0],
+            names=names,
+        )
+
 
 Request = TypeVar("Request", bound=SamplingFields)
 
@@ -113,67 +149,18 @@ def decode_fields(body: bytes, kind: type[Request], what: str, served: tuple[str
     return req
 
 
-def engine_params(
-    req: SamplingFields,
-    limits: Limits,
-    prompt_tokens: int,
-    max_model_len: int,
-    asked: int | None,  # max_tokens as the request gives it
-    default: int,  # max_tokens when it does not (cut to the room the prompt leaves)
-    logprobs: int | None,  # top log-probabilities per token; None: none at all
-    vocab_size: int | None = None,  # logit_bias's and stop_token_ids' ids are below it
-    logprobs_param: str = "top_logprobs",  # what the request calls `logprobs`
-    prompt_param: str = "messages",  # what the request calls its prompt
-    max_tokens_param: str = "max_tokens",  # what the request called `asked`
-    tokenizer: TextTokenizer | None = None,  # bad_words are tokenized with it
-) -> SamplingParams:
-    """OpenAI's sampling fields as the engine's parameters, within the server's limits.
-
-    A prompt that fills the context, or an explicit max_tokens that the context cannot hold,
-    is refused (as vLLM does); the default is cut to what the context has left."""
-    if prompt_tokens >= max_model_len:  # no room for one answer token
-        raise context_exceeded(prompt_tokens, max_model_len, prompt_param=prompt_param)
-    stop_ids = req.stop_token_ids or []
-    if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
-        raise invalid(f"stop_token_ids must be in 0..{vocab_size - 1}", "stop_token_ids")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 4:
-        raise invalid("stop takes at most 4 strings", "stop")
-    top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k  # vLLM's -1: off
-    structured = structured_output(req)
-    try:
-        bad_words = bad_word_ids(req.bad_words or (), tokenizer) if tokenizer else ()
-        return sampling_params(
-            limits,
-            max_tokens=asked,
-            default_max_tokens=default,
-            room=max_model_len - prompt_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=top_k,
-            n=1 if req.n is None else req.n,
-            seed=req.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=logprobs,
-            logit_bias=_logit_bias(req.logit_bias or {}, vocab_size),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0,
-            min_tokens=req.min_tokens or 0,
-            bad_words=bad_words,
-            structured=None if structured is None else structured[0],
+def sampling_error(exc: SamplingError) -> OpenAIError:
+    """The one builder's refusal (service/api/sampling.py) in OpenAI's shape: past the
+    context, vLLM's `context_length_exceeded`; else `invalid_value` naming the field."""
+    if exc.kind is SamplingErrorKind.CONTEXT and exc.room is not None:
+        return context_exceeded(
+            exc.room.prompt_tokens,
+            exc.room.max_model_len,
+            exc.max_tokens or 0,
+            prompt_param=exc.prompt_param,
+            max_tokens_param=exc.param or "max_tokens",
         )
-    except SamplingError as exc:
-        if exc.kind is SamplingErrorKind.CONTEXT:
-            raise context_exceeded(
-                prompt_tokens, max_model_len, asked or 0, prompt_param=prompt_param,
-                max_tokens_param=max_tokens_param,
-            ) from None  # fmt: skip
-        renamed = {"logprobs": logprobs_param, "max_tokens": max_tokens_param}
-        raise invalid(str(exc), renamed.get(exc.param or "", exc.param)) from None
+    return invalid(str(exc), exc.param)
 
 
 def structured_output(req: SamplingFields) -> tuple[StructuredOutput, str] | None:
@@ -196,12 +183,13 @@ def structured_output(req: SamplingFields) -> tuple[StructuredOutput, str] | Non
     return (from_format, "response_format") if from_format is not None else from_vllm
 
 
-def _logit_bias(bias: dict[str, float], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} as (id, bias) pairs, ids in the vocabulary."""
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs (the vocabulary is the builder's to
+    check)."""
     pairs = []
     for key, value in bias.items():
-        token = int(key) if key.isdecimal() else -1
-        if token < 0 or (vocab_size is not None and token >= vocab_size):
+        if not key.isdecimal():
             raise invalid(f"logit_bias: {key!r} is not a token id of this model", "logit_bias")
+        token = int(key)
         pairs.append((token, value))
     return tuple(sorted(pairs))

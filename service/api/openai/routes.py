@@ -36,22 +36,21 @@ from service.api.observability.metrics import Metrics
 from service.api.openai.answer import Answer, AnyRequest
 from service.api.openai.chat_request import (
     ChatCompletionRequest,
-    chat_params,
     decode_request,
     render_prompt,
     request_tools,
 )
 from service.api.openai.completion_request import (
     CompletionRequest,
-    completion_params,
     completion_prompt,
     decode_completion_request,
 )
 from service.api.openai.errors import OpenAIError, invalid, model_not_found, refusal_error
-from service.api.openai.params import structured_output
+from service.api.openai.params import sampling_error, structured_output
 from service.api.openai.sse import EventStream, until_disconnected
 from service.api.openai.tokenize import detokenize_request, tokenize_request
 from service.api.openai.tools import Tools, parameters_of
+from service.api.sampling import Room, SamplingError, sampling_params
 from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.serving import ServingEngine
 from service.engine.values import CacheScope, GrammarError
@@ -86,6 +85,10 @@ class OpenAIParts:
     def sizes(self) -> tuple[int, int]:
         """The context's length and the vocabulary's, which a request's fields must fit."""
         return self.max_model_len, self.engine.tokenizer.vocab_size
+
+    def room(self, prompt: list[int]) -> Room:
+        """What the context leaves for the answer to `prompt`."""
+        return Room(len(prompt), self.max_model_len)
 
 
 class OpenAIRoutes:
@@ -160,8 +163,12 @@ class OpenAIRoutes:
     ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
         req = decode_request(body, parts.names)
         prompt = render_prompt(req, parts.chat_format, parts.limits, parts.sizes[0])
-        tokenizer = parts.engine.tokenizer
-        params = chat_params(req, parts.limits, len(prompt), *parts.sizes, tokenizer=tokenizer)
+        # Two hops: the request as one value, then the one builder (service/api/sampling.py),
+        # whose SamplingError `_answer` words as OpenAI's.
+        params = sampling_params(
+            req.sampling(), parts.limits, default_max_tokens=parts.limits.default_max_tokens,
+            room=parts.room(prompt), tokenizer=parts.engine.tokenizer,
+        )  # fmt: skip
         return req, prompt, params
 
     @staticmethod
@@ -170,13 +177,11 @@ class OpenAIRoutes:
     ) -> tuple[CompletionRequest, list[int], SamplingParams]:
         req = decode_completion_request(body, parts.names)
         prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits)
-        tokenizer = parts.engine.tokenizer
-        sizes = parts.sizes
-        return (
-            req,
-            prompt,
-            completion_params(req, parts.limits, len(prompt), *sizes, tokenizer=tokenizer),
-        )
+        params = sampling_params(
+            req.sampling(), parts.limits, default_max_tokens=parts.limits.default_completion_tokens,
+            room=parts.room(prompt), tokenizer=parts.engine.tokenizer,
+        )  # fmt: skip
+        return req, prompt, params
 
     async def _answer(
         self,
@@ -191,6 +196,8 @@ class OpenAIRoutes:
             await _check_structured(parts.engine, req, params)
         except OpenAIError as exc:
             return self._error(exc, parts)
+        except SamplingError as exc:
+            return self._error(sampling_error(exc), parts)
         except ClientDisconnect:
             return self._left(request, parts)
         refusal = parts.admission.begin_answer()

@@ -46,10 +46,9 @@ from service.api.limits import Limits
 from service.api.nesting import nesting_message, too_deep
 from service.api.observability.metrics import Metrics
 from service.api.refusal import Refusal, RefusalReason
-from service.api.sampling import SamplingError, SamplingErrorKind, bad_word_ids, sampling_params
-from service.api.structured import StructuredError, from_response_format
+from service.api.sampling import AskedSampling, SamplingError, sampling_params, user_sampling
 from service.api.ws.sender import ClientGone, FrameSender
-from service.api.ws.turn import Turn
+from service.api.ws.turn import Turn, sampling_frame_error
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
 from service.engine.values import GrammarError
@@ -325,7 +324,7 @@ class ChatConnection:
                 f"{limits.max_message_chars}",
                 limit=limits.max_message_chars,
             )
-        params = self._params(frame.params)
+        asked, params = self._params(frame.params)
         if params.structured is not None:
             try:
                 await self.parts.engine.check_structured(params.structured)
@@ -349,43 +348,29 @@ class ChatConnection:
             self.tenant,
             self.session_id,
             frame.content,
-            params,
+            asked,
+            limits=parts.limits,
             received=received,
             send=self.send,
         )
         self._turn = turn
         self._turn_task = asyncio.create_task(self._answer(turn), name=f"turn {self.session_id}")
 
-    def _params(self, asked: UserParams) -> SamplingParams:
+    def _params(self, asked: UserParams) -> tuple[AskedSampling, SamplingParams]:
+        """The frame's params as the one value, and built without the room (which the turn
+        checks once it has the prompt), so that what no prompt makes right is refused now."""
         limits = self.parts.limits
         try:
-            structured = from_response_format(asked.response_format, "params.response_format")
-            bad_words = bad_word_ids(asked.bad_words, self.parts.engine.tokenizer)
-            return sampling_params(
+            sampling = user_sampling(asked)
+            params = sampling_params(
+                sampling,
                 limits,
-                max_tokens=asked.max_tokens,
                 default_max_tokens=limits.default_max_tokens,
-                temperature=asked.temperature,
-                top_p=asked.top_p,
-                top_k=asked.top_k,
-                seed=asked.seed,
-                stop=tuple(asked.stop),
-                ignore_eos=asked.ignore_eos,
-                logprobs=asked.logprobs,
-                presence_penalty=asked.presence_penalty,
-                frequency_penalty=asked.frequency_penalty,
-                repetition_penalty=asked.repetition_penalty,
-                min_p=asked.min_p,
-                min_tokens=asked.min_tokens,
-                bad_words=bad_words,
-                structured=structured,
+                tokenizer=self.parts.engine.tokenizer,
             )
-        except StructuredError as exc:
-            raise FrameError(ErrorCode.INVALID_PARAMS, str(exc)) from None
         except SamplingError as exc:
-            over = exc.kind is SamplingErrorKind.OVER_LIMIT
-            code = ErrorCode.MAX_TOKENS_TOO_LARGE if over else ErrorCode.INVALID_PARAMS
-            raise FrameError(code, str(exc)) from None
+            raise sampling_frame_error(exc) from None
+        return sampling, params
 
     async def _answer(self, turn: Turn) -> None:
         try:

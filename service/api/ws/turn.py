@@ -16,7 +16,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import msgspec
 import redis.exceptions
 
 from protocol.frames import (
@@ -30,8 +29,16 @@ from protocol.frames import (
     Usage,
 )
 from service.api.access.gate import cache_salt_for
+from service.api.limits import Limits
 from service.api.observability.meter import AnswerMeter
 from service.api.observability.metrics import Metrics
+from service.api.sampling import (
+    AskedSampling,
+    Room,
+    SamplingError,
+    SamplingErrorKind,
+    sampling_params,
+)
 from service.api.ws.sender import ClientGone
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
@@ -63,8 +70,9 @@ class Turn:
         tenant: str,
         session_id: str,
         content: str,
-        params: SamplingParams,
+        asked: AskedSampling,
         *,
+        limits: Limits,
         received: float,
         send: Send,
     ) -> None:
@@ -75,7 +83,10 @@ class Turn:
         self.tenant = tenant
         self.session_id = session_id
         self.content = content
-        self.params = params
+        self.asked = asked  # checked by the connection, all but the room
+        self.limits = limits
+        # The engine's parameters, once the prompt is known (`sampling_params` with the room).
+        self.params: SamplingParams | None = None
         self.received = received  # time.monotonic() when the user frame arrived
         self._send = send
         self._pump: asyncio.Task[None] | None = None
@@ -142,24 +153,22 @@ class Turn:
             raise FrameError(ErrorCode.UNKNOWN_SESSION, "the session expired") from None
         except redis.exceptions.RedisError as exc:
             raise FrameError(ErrorCode.STORAGE_UNAVAILABLE, f"session store: {exc}") from None
-        max_len = self.engine.limits.max_model_len
-        if len(prompt) >= max_len:
-            raise FrameError(
-                ErrorCode.CONTEXT_LENGTH,
-                f"the prompt has {len(prompt)} tokens (the conversation so far plus this "
-                f"message); the model's context holds {max_len} including the answer",
+        try:  # NOTE (room) in service/api/sampling.py: the rule of every transport
+            self.params = params = sampling_params(
+                self.asked,
+                self.limits,
+                default_max_tokens=self.limits.default_max_tokens,
+                room=Room(len(prompt), self.engine.limits.max_model_len),
+                tokenizer=self.engine.tokenizer,
             )
+        except SamplingError as exc:
+            raise sampling_frame_error(exc) from None
         if self._cancel_reason is not None:
             # Cancelled before it began: nothing was generated, so nothing is stored.
             reason = self._cancel_reason
         else:
             await conversations.wait_for_tail(self.session_id)
             scope = conversations.scope(cache_salt_for(self.tenant), self.session_id, meta.system)
-            # The answer's length, asked or the default, within what the context has left.
-            room = max_len - len(prompt)
-            params = msgspec.structs.replace(
-                self.params, max_tokens=min(self.params.max_tokens, room)
-            )
             stream = self.engine.generate(
                 prompt,
                 params,
@@ -203,7 +212,7 @@ class Turn:
         return fmt.render(meta.system, messages, self.content)
 
     async def _stream(self, stream: AsyncIterator[RequestOutput]) -> None:
-        want_logprobs = self.params.logprobs is not None
+        want_logprobs = self.params is not None and self.params.logprobs is not None
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for out in stream:
                 self.meter.output(out)
@@ -275,6 +284,15 @@ class Turn:
             ttft_s=None if first is None else first - self.received,
             total_s=total,
         )
+
+
+def sampling_frame_error(exc: SamplingError) -> FrameError:
+    """The one builder's refusal (service/api/sampling.py) as this protocol's error."""
+    code = {
+        SamplingErrorKind.OVER_LIMIT: ErrorCode.MAX_TOKENS_TOO_LARGE,
+        SamplingErrorKind.CONTEXT: ErrorCode.CONTEXT_LENGTH,
+    }.get(exc.kind, ErrorCode.INVALID_PARAMS)
+    return FrameError(code, str(exc))
 
 
 class GrammarBrokeOff(Exception):

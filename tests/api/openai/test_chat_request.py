@@ -16,7 +16,6 @@ from service.api.limits import Limits
 from service.api.openai.chat_request import (
     ChatCompletionRequest,
     ChatMessageIn,
-    chat_params,
     decode_request,
     render_prompt,
 )
@@ -26,6 +25,7 @@ from service.api.openai.params import StreamOptions
 from service.api.openai.routes import http_error
 from service.engine.params import SamplingParams, StructuredOutput
 from service.sessions.prompt import ChatFormat
+from tests.api.openai.two_hops import openai_params
 from tests.tiny_model import gguf_tokenizer
 
 PROTOCOL_MD = Path(__file__).resolve().parents[3] / "docs" / "protocol.md"
@@ -38,7 +38,7 @@ def decode(**body: Any) -> ChatCompletionRequest:
 
 
 def params(req: ChatCompletionRequest, prompt_tokens: int = 10) -> SamplingParams:
-    return chat_params(req, Limits(), prompt_tokens, 2048)
+    return openai_params(req, Limits(), prompt_tokens, 2048)
 
 
 def refusal(**body: Any) -> OpenAIError:
@@ -68,13 +68,13 @@ def test_explicit_nulls_mean_the_defaults() -> None:
 
 def test_logit_bias_becomes_token_id_pairs_within_the_vocabulary() -> None:
     req = decode(logit_bias={"7": 5, "3": -100})
-    assert chat_params(req, Limits(), 10, 2048, vocab_size=8).logit_bias == (
+    assert openai_params(req, Limits(), 10, 2048, vocab_size=8).logit_bias == (
         (3, -100.0),
         (7, 5.0),
     )
     for bias, vocab in [({"8": 1}, 8), ({"0": 101}, 8), ({"-1": 1}, None), ({"a": 1}, None)]:
         with pytest.raises(OpenAIError) as caught:
-            chat_params(decode(logit_bias=bias), Limits(), 10, 2048, vocab_size=vocab)
+            openai_params(decode(logit_bias=bias), Limits(), 10, 2048, vocab_size=vocab)
         assert caught.value.param == "logit_bias"
 
 
@@ -328,11 +328,11 @@ def test_special_token_text_in_a_message_stays_plain_text(chat: ChatFormat) -> N
 
 def test_max_tokens_beyond_the_context_is_refused_and_the_default_fits_it() -> None:
     with pytest.raises(OpenAIError) as caught:
-        chat_params(decode(max_tokens=100), Limits(), 2000, 2048)
+        openai_params(decode(max_tokens=100), Limits(), 2000, 2048)
     error = caught.value
     assert (error.code, error.param) == ("context_length_exceeded", "max_tokens")
     assert "2048" in error.message and "2100" in error.message
-    assert chat_params(decode(), Limits(), 2000, 2048).max_tokens == 48
+    assert openai_params(decode(), Limits(), 2000, 2048).max_tokens == 48
     with pytest.raises(OpenAIError) as zero:
         params(decode(max_tokens=0))
     assert zero.value.param == "max_tokens"
@@ -483,9 +483,9 @@ def test_a_schemas_properties_keep_their_order() -> None:
 def test_bad_words_are_tokenized_at_a_texts_start_and_after_a_space() -> None:
     tokenizer = gguf_tokenizer()
     req = decode(bad_words=["Paris", "la femme"])
-    got = chat_params(req, Limits(), 10, 2048, tokenizer=tokenizer).bad_words
+    got = openai_params(req, Limits(), 10, 2048, tokenizer=tokenizer).bad_words
     expected = {tuple(tokenizer.encode(t)) for t in ("Paris", " Paris", "la femme", " la femme")}
     assert set(got) == expected
     with pytest.raises(OpenAIError) as caught:
-        chat_params(decode(bad_words=[" "]), Limits(), 10, 2048, tokenizer=tokenizer)
+        openai_params(decode(bad_words=[" "]), Limits(), 10, 2048, tokenizer=tokenizer)
     assert caught.value.param == "bad_words"

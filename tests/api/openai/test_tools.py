@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from service.api.limits import Limits
-from service.api.openai.chat_request import chat_params, decode_request, render_prompt
+from service.api.openai.chat_request import decode_request, render_prompt
 from service.api.openai.errors import OpenAIError
 from service.api.openai.tools import (
     COMPACT_JSON,
@@ -22,6 +22,7 @@ from service.api.openai.tools import (
 )
 from service.engine.grammar import GrammarCompiler
 from service.sessions.prompt import ChatFormat
+from tests.api.openai.two_hops import openai_params
 from tests.tiny_model import gguf_tokenizer
 
 WEATHER = {
@@ -100,9 +101,11 @@ def test_the_prompt_carries_the_tools_and_the_history_its_calls_and_results() ->
 
 
 def test_required_and_named_choices_constrain_the_answer_to_calls() -> None:
-    required = chat_params(decode(tools=[WEATHER, TIME], tool_choice="required"), Limits(), 10, 512)
+    required = openai_params(
+        decode(tools=[WEATHER, TIME], tool_choice="required"), Limits(), 10, 512
+    )
     assert required.structured is not None and required.structured.kind == "grammar"
-    assert chat_params(decode(tools=[WEATHER]), Limits(), 10, 512).structured is None  # auto
+    assert openai_params(decode(tools=[WEATHER]), Limits(), 10, 512).structured is None  # auto
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from protocol.frames import Delta, Done, ErrorCode, FinishReason, FrameError, ServerFrame
+from service.api.limits import Limits
 from service.api.observability.metrics import Metrics
+from service.api.sampling import AskedSampling
 from service.api.ws.turn import Turn
-from service.engine.params import SamplingParams
 from service.sessions.conversation_cache import ConversationCache
 from service.sessions.models import Message, PageMap, Role, SessionMeta
 from service.sessions.prompt import ChatFormat
@@ -68,6 +69,7 @@ def turn(
     *,
     content: str = "Again",
     client: Client | None = None,
+    asked: AskedSampling | None = None,
 ) -> Turn:
     return Turn(
         engine,
@@ -77,7 +79,8 @@ def turn(
         "default",
         session_id,
         content,
-        SamplingParams(max_tokens=64),
+        asked or AskedSampling(),
+        limits=Limits(default_max_tokens=64),
         received=0.0,
         send=(client or Client()).send,
     )
@@ -197,3 +200,20 @@ async def test_the_answer_length_is_clamped_to_what_the_context_has_left(
     room = engine.limits.max_model_len - len(first.prompt)
     assert 0 < room < 64
     assert first.params.max_tokens == room
+
+
+async def test_an_explicit_max_tokens_past_the_room_is_refused_not_shortened(
+    engine: FakeEngine, conversations: ConversationCache, store: SessionStore
+) -> None:
+    """NOTE (room) in service/api/sampling.py: an asked length the context cannot hold is
+    refused, as the OpenAI endpoints refuse it; nothing reaches the engine or the store."""
+    session_id = (await store.create(model_id="model-a", system=None)).meta.session_id
+    prompt_len = len(conversations.chat_format.first_prompt(None, "Again"))
+    content = "Again" + " word" * (engine.limits.max_model_len - prompt_len - 20)
+    asked = AskedSampling(max_tokens=64)
+    with pytest.raises(FrameError) as refused:
+        await turn(engine, conversations, store, session_id, content=content, asked=asked).run()
+    assert refused.value.code is ErrorCode.CONTEXT_LENGTH
+    assert "omit max_tokens for the room left" in str(refused.value)
+    _, stored = await store.load(session_id)
+    assert stored is None and engine.requests == []
