@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "--weight-layout",
         nargs="+",
         default=["auto"],
-        help="how the packed weights lie, each in turn: auto (K types regrouped for int8) | stored",
+        help="how the packed weights lie, each in turn: auto (regrouped for int8) | stored",
     )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)

@@ -70,7 +70,7 @@ class Blocks:
     kind: WeightType
     data: Tensor
     k: int
-    # the K types: its rows regrouped eight at a time for the int8 products (ROWS_X8)
+    # Q8_0 and the K types: its rows regrouped eight at a time for the int8 products (ROWS_X8)
     rows_x8: bool = False
 
     def __post_init__(self) -> None:
@@ -107,13 +107,13 @@ class Blocks:
         return stored_rows_x8(self.kind, self.data) if self.rows_x8 else self.data
 
 
-# NOTE (ROWS_X8): where the products take int8 inputs, a K type's (Q4_K, Q5_K, Q6_K) rows are
+# NOTE (ROWS_X8): where the products take int8 inputs, the rows of Q8_0 and the K types are
 # regrouped eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by
 # side, their integers four bytes of each row at a time, so that a product keeps each row's
 # sums in its own vector lane and never sums across lanes (the scales of eight rows unpacked
 # at once). The same bytes, moved: each row's values are the file's.
 ROWS_X8 = 0x100
-REGROUPED = (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)
+REGROUPED = (WeightType.Q8_0, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)
 
 
 def _runs(part: Tensor, runs: int) -> Tensor:
@@ -133,7 +133,9 @@ def stored_rows_x8(kind: WeightType, data: Tensor) -> Tensor:
     def per_row(part: Tensor, size: int) -> Tensor:  # [8 rows, size] a block
         return part.reshape(groups, blocks, 8, size)
 
-    if kind in (WeightType.Q4_K, WeightType.Q5_K):
+    if kind == WeightType.Q8_0:
+        parts = [per_row(g[..., 0:16], 2), _runs(g[..., 16:], 1)]  # d, the weights
+    elif kind in (WeightType.Q4_K, WeightType.Q5_K):
         words = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)
         parts = [
             per_row(g[..., 0:16], 2),  # d

@@ -109,12 +109,12 @@ class EngineConfig:
     )
     weight_layout: str = setting(
         "auto",
-        "how the packed weights lie in memory: auto (where the products take int8 inputs on"
-        " a vector version, the K types' (Q4_K, Q5_K, Q6_K) rows regrouped eight at a time"
-        " once at load, for products that keep each row in a vector lane: the same values,"
-        " 1.5-2x the single-thread speed; the file's pages then become the process's own) |"
-        " stored (as the file stores them: its mapped pages, shared with other processes"
-        " serving the same file)",
+        "how the packed weights lie in memory: auto (where the products take int8 inputs"
+        " on a vector version, the rows of Q8_0 and the K types (Q4_K, Q5_K, Q6_K)"
+        " regrouped eight at a time once at load, for products that keep each row in a"
+        " vector lane: the same values, 1.5-2x the single-thread speed; the file's pages"
+        " then become the process's own) | stored (as the file stores them: its mapped"
+        " pages, shared with other processes serving the same file)",
     )
     kv_cache_dtype: str = setting(
         "auto",

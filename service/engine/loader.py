@@ -115,8 +115,9 @@ def load_model(
     split with the kernels' helper thread at `threads` 2: `LlamaModel.from_weights`).
     `matmul_inputs` int8 or fp32 sets what the kernels' products take as inputs, auto picks by
     the model's size (`quant.auto_matmul_inputs`); None keeps the kernels' own. `regroup_rows`:
-    with int8 inputs (on a version past the generic one), the K types' rows regrouped eight
-    at a time for the products (formats.py, ROWS_X8); False keeps every weight as stored.
+    with int8 inputs (on a version past the generic one), Q8_0's and the K types' rows
+    regrouped eight at a time for the products (formats.py, ROWS_X8); False keeps every
+    weight as stored.
 
     `serve_stored`: a GGUF whose layer matmuls are stored in block types the kernels read is
     served as stored (its dense tensors quantized to Q8_0) whatever `weight_dtype` says: the

@@ -403,8 +403,8 @@ class LlamaModel(nn.Module):
         `dense_dtype` (bf16 where the CPU has fast bf16 matmuls, fp32 where not): prefill
         chunks and mixed steps, where the GEMV is slower. `threads` 2 splits every native
         product with the CPU kernels' helper thread. `regroup_rows` regroups the matmuls'
-        K-type weights eight rows at a time (`PackedWeight.regrouped`; not an embedding that
-        no LM head shares).
+        Q8_0 and K-type weights eight rows at a time (`PackedWeight.regrouped`; not an
+        embedding that no LM head shares).
         """
         with torch.device("meta"):
             model = cls(args)

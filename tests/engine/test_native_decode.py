@@ -21,7 +21,7 @@ from kernels.cpu.stack import StackRows
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import LlamaModel, ModelArgs
-from service.engine.quant import INT4, PackedWeight, Weight, cat_rows
+from service.engine.quant import INT4, PackedEmbedding, PackedWeight, Weight, cat_rows
 from service.engine.runner import ModelRunner, StepInputs
 from tests.engine.conftest import EngineFactory
 from tests.engine.greedy import assert_same_greedy, greedy, run
@@ -104,12 +104,14 @@ def _mixed_types(kernels: KernelSet, regroup_rows: bool = False) -> LoadedModel:
 def test_regrouped_rows_answer_with_the_stored_rows_bits(
     make_engine: EngineFactory, mixed_types_int8: LoadedModel, kernels: KernelSet
 ) -> None:
-    # Q, K (Q4_K), V, down, the LM head (Q6_K) and o (Q5_K) regrouped eight rows at a time;
-    # gate (Q5_0) and up (Q8_0) as stored: every logit the same bits as with every weight as
-    # stored, in decode steps of one to three rows and prefill chunks.
+    # Q, K (Q4_K), V, down, the LM head (Q6_K), o (Q5_K) and up (Q8_0) regrouped eight rows
+    # at a time; gate (Q5_0) and the embedding (a lookup) as stored: every logit the same bits
+    # as with every weight as stored, in decode steps of one to three rows and prefill chunks.
     qkv, down, o_proj, gate_up = _layer_weights(mixed_types_int8)
     regrouped = [p.rows_x8 for w in (qkv, down, o_proj, gate_up) for p in w.parts]
-    assert regrouped == [True] * 5 + [False] * 2
+    assert regrouped == [True] * 5 + [False, True]
+    embedding = mixed_types_int8.model.embed_tokens
+    assert isinstance(embedding, PackedEmbedding) and not embedding.weight.rows_x8
     stored = _mixed_types(kernels.with_matmul_inputs("int8"))
     assert not any(p.rows_x8 for w in _layer_weights(stored) for p in w.parts)
     prompts = {"a": [(7 * j) % 300 + 5 for j in range(40)], "b": [11, 12, 13], "c": [9] * 20}

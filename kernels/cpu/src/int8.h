@@ -140,6 +140,10 @@ static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
     return _mm256_add_epi32(p, dot_u(u, x));
 #endif
 }
+/* p + dot_s(w, x) */
+static inline v8i dot_s_add(v8i p, q32 w, q32 x) {
+    return dot_u_add(p, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
 static inline v8i v8i_load(const uint8_t *p) {
     return _mm256_loadu_si256((const __m256i *)p);
 }
@@ -453,6 +457,9 @@ static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
         p.val[h] = vdotq_s32(p.val[h], u.val[h], x.val[h]);
     return p;
 }
+static inline v8i dot_s_add(v8i p, q32 w, q32 x) {
+    return dot_u_add(p, w, x); /* sdot multiplies signed by signed */
+}
 static inline v8i v8i_load(const uint8_t *p) {
     const v8i v = {{vld1q_s32((const int32_t *)p), vld1q_s32((const int32_t *)p + 4)}};
     return v;
@@ -700,6 +707,12 @@ static inline q32 q_set1_32(const uint8_t *p) {
 }
 static inline v8i dot_u_add(v8i p, q32 u, q32 x) {
     const v8i d = dot_u(u, x);
+    for (int i = 0; i < 8; i++)
+        p.v[i] += d.v[i];
+    return p;
+}
+static inline v8i dot_s_add(v8i p, q32 w, q32 x) {
+    const v8i d = dot_s(w, x);
     for (int i = 0; i < 8; i++)
         p.v[i] += d.v[i];
     return p;

@@ -191,7 +191,7 @@ DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
 DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
-/* ---- K-quants with eight rows in the lanes (PC_Q4_K_X8, PC_Q5_K_X8, PC_Q6_K_X8) ---------- */
+/* ---- Q8_0 and K-quants with eight rows in the lanes (rows_x8.h) ----------------------------- */
 #define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
 /* Up to this many input rows, a regrouped weight's groups take them four at a time; more,
    side by side (each weight row read back as stored) */
@@ -328,6 +328,48 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
     }
 }
 
+/* The eight rows of a PC_Q8_0_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
+   of the row path's accumulators (row_q8_0) is acc[r][l], block 8 c + l's exact total times
+   d d_x; a row's last, part chunk adds 0 * 0 in its missing lanes, as the row path does. */
+static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    v8 acc[4][CHUNK];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < CHUNK; l++)
+            acc[r][l] = v8_zero();
+    const int64_t blocks = k / 32;
+    for (int64_t first = 0; first < blocks; first += CHUNK) {
+        for (int l = 0; l < CHUNK; l++) {
+            const int64_t b = first + l;
+            if (b >= blocks) {
+                for (int r = 0; r < R; r++)
+                    acc[r][l] = v8_fma_ints(v8i_zero(), v8_zero(), acc[r][l]);
+                continue;
+            }
+            const uint8_t *g = group + b * X8_Q8_0_BLOCK;
+            const v8 d = v8_from_fp16x8(g);
+            q32 w[8];
+            for (int t = 0; t < 8; t++)
+                w[t] = q_load(g + X8_Q8_0_QS + 32 * t);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = x + r * ldx, *xs = xr + 32 * b;
+                v8i total = v8i_zero();
+                for (int t = 0; t < 8; t++)
+                    total = dot_s_add(total, w[t], q_set1_32(xs + 4 * t));
+                const float dx = pc_q8_scales(xr, k)[b];
+                acc[r][l] = v8_fma_ints(total, v8_mul(d, v8_set1(dx)), acc[r][l]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
+        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
+        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
+    }
+}
+
 /* a regrouped group against m input rows, four at a time */
 #define GROUP_ROWS(T)                                                                              \
     static void group_rows_##T(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,       \
@@ -344,6 +386,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
             }                                                                                      \
         }                                                                                          \
     }
+GROUP_ROWS(q8_0_x8)
 GROUP_ROWS(q4_k_x8)
 GROUP_ROWS(q5_k_x8)
 GROUP_ROWS(q6_k_x8)
@@ -356,7 +399,9 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
     for (int64_t j = n_begin; j < n_end;) {
         if (j % X8_ROWS == 0 && n_end - j >= X8_ROWS) {
             const uint8_t *group = w + j * row_bytes;
-            if (type == PC_Q4_K_X8)
+            if (type == PC_Q8_0_X8)
+                group_rows_q8_0_x8(group, k, x, m, y + j, ldy);
+            else if (type == PC_Q4_K_X8)
                 group_rows_q4_k_x8(group, k, x, m, y + j, ldy);
             else if (type == PC_Q5_K_X8)
                 group_rows_q5_k_x8(group, k, x, m, y + j, ldy);
@@ -369,7 +414,9 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
         for (int64_t r = 0; r < m; r += FEW_ROWS) {
             const int64_t R = m - r < FEW_ROWS ? m - r : FEW_ROWS;
             const uint8_t *xr = x + r * pc_q8_row_bytes(k);
-            if (type == PC_Q4_K_X8)
+            if (type == PC_Q8_0_X8)
+                row_q8_0(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+            else if (type == PC_Q4_K_X8)
                 row_q4_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
             else if (type == PC_Q5_K_X8)
                 row_q5_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);

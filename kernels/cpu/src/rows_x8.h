@@ -1,10 +1,12 @@
-/* K-quant weights regrouped eight rows at a time (PC_Q4_K_X8, PC_Q5_K_X8, PC_Q6_K_X8): the
-   int8 products' layout.
+/* Q8_0 and K-quant weights regrouped eight rows at a time (PC_Q8_0_X8, PC_Q4_K_X8,
+   PC_Q5_K_X8, PC_Q6_K_X8): the int8 products' layout.
 
    A weight's rows in groups of eight (n a multiple of 8), each group the eight rows' bytes
    (8 row_bytes) in the same place the stored rows would take, so a row's group is at
-   w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each) takes
-   eight blocks' bytes at b * 8 * block_bytes. Q4_K's (X8_Q4_K_BLOCK):
+   w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each, Q8_0's
+   32) takes eight blocks' bytes at b * 8 * block_bytes. Q8_0's (X8_Q8_0_BLOCK): d of rows 0-7
+   (fp16) at [0, 16), then the int8 weights as Q4_K's nibbles below, one run at [16, 272).
+   Q4_K's (X8_Q4_K_BLOCK):
 
        [0, 16)      d of rows 0-7 (fp16)            [16, 32)   dmin of rows 0-7
        [32, 128)    the 12 bytes of six-bit scales and mins as three words, word w of row r
@@ -33,6 +35,8 @@
 #include "pagechat_cpu.h"
 
 #define X8_ROWS 8
+#define X8_Q8_0_BLOCK (X8_ROWS * 34)
+#define X8_Q8_0_QS 16
 #define X8_Q4_K_BLOCK (X8_ROWS * 144)
 #define X8_Q4_K_D 0
 #define X8_Q4_K_DMIN 16
@@ -67,12 +71,16 @@ static inline void x8_move_runs(uint8_t *g, int64_t group_at, uint8_t *s, int64_
 }
 
 /* Row r (< 8) of the group at `group` (blocks of 256 weights each), as stored, to `row`;
-   with `to_group` the other way, from `row` into the group. `type`: PC_Q4_K, PC_Q5_K or
-   PC_Q6_K. */
+   with `to_group` the other way, from `row` into the group. `type`: PC_Q8_0, PC_Q4_K,
+   PC_Q5_K or PC_Q6_K; `blocks` of its own. */
 static inline void x8_move_row(int64_t type, uint8_t *group, int64_t blocks, int r, uint8_t *row,
                                int to_group) {
     for (int64_t b = 0; b < blocks; b++) {
-        if (type == PC_Q4_K || type == PC_Q5_K) { /* Q5_K: Q4_K's scales, then qh and qs */
+        if (type == PC_Q8_0) {
+            uint8_t *g = group + b * X8_Q8_0_BLOCK, *s = row + b * 34;
+            x8_move(g, 2 * r, s, 0, 2, to_group);
+            x8_move_runs(g, X8_Q8_0_QS, s, 2, 1, r, to_group);
+        } else if (type == PC_Q4_K || type == PC_Q5_K) { /* Q5_K: Q4_K's scales, then qh and qs */
             const int64_t bytes = pc_block_bytes(type);
             uint8_t *g = group + b * X8_ROWS * bytes, *s = row + b * bytes;
             x8_move(g, X8_Q4_K_D + 2 * r, s, 0, 2, to_group);
