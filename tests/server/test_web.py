@@ -562,6 +562,117 @@ async def test_dark_mode_follows_the_system_and_a_toggle_is_remembered_on_both_p
     assert not opened.errors and not system.errors, (opened.errors, system.errors)
 
 
+# Each text on the chat page: its colour and the background under it (every ancestor's
+# background composited, from the page down), as the browser computed them. Controls that are
+# disabled are left out: WCAG 1.4.3 asks no contrast of an inactive control. Faded text would
+# need its opacity folded in, so none is allowed.
+TEXT_COLOURS_JS = """() => {
+  const rgba = (s) => {
+    const v = s.match(/[\\d.]+/g).map(Number);
+    return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1];
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
+  const pairs = [];
+  for (const el of document.querySelectorAll("body *")) {
+    if (!el.getClientRects().length || el.closest(":disabled")) continue;
+    const style = getComputedStyle(el);
+    if (style.visibility !== "visible") continue;
+    const chain = [];
+    for (let n = el; n; n = n.parentElement) chain.unshift(n);
+    let background = [255, 255, 255];
+    for (const n of chain) background = over(rgba(getComputedStyle(n).backgroundColor), background);
+    const faded = chain.some((n) => getComputedStyle(n).opacity !== "1");
+    const label = (n) => n.tagName.toLowerCase() + (n.id ? "#" + n.id : "") +
+      [...n.classList].map((c) => "." + c).join("");
+    const name = chain.slice(-3).map(label).join(" > ");
+    const add = (what, colour) => pairs.push({
+      what: name + what, text: over(rgba(colour), background), background, faded,
+    });
+    const field = el.tagName === "TEXTAREA";
+    if ([...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim()) || field) {
+      add("", style.color);
+    }
+    if (field && el.placeholder) add("::placeholder", getComputedStyle(el, "::placeholder").color);
+    const after = getComputedStyle(el, "::after");
+    if (!["none", "normal"].includes(after.content)) add("::after", after.color);
+  }
+  return pairs;
+}"""
+
+
+SHOWN = (
+    *("h1", "span#meta.meta", "a#kv-link", "button#theme", "summary", "textarea#system"),
+    *("textarea#input::placeholder", "div.msg.user", "div.msg.user.folded", "button.unfold"),
+    *("div.msg.user.refused", "div.msg.user.refused::after", "div.msg.user.lost"),
+    *("div.lost-note", "div.system-note", "div.usage", "span.lang", "button.copy", "pre > code"),
+    *("li > code", "li > a", "th", "td", "blockquote > p", "div#status", "div#status.error"),
+    *("div.msg.assistant.md.lost > p", "div.msg.assistant.md.streaming::after"),
+    *("button#send.primary", "textarea#input"),
+)
+
+
+def _contrast(a: list[float], b: list[float]) -> float:
+    """WCAG 2's contrast ratio of two sRGB colours (0..255 channels)."""
+
+    def luminance(rgb: list[float]) -> float:
+        linear = [c / 255 / 12.92 if c <= 10.31475 else ((c / 255 + 0.055) / 1.055) ** 2.4
+                  for c in rgb]  # fmt: skip
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted([luminance(a), luminance(b)], reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+async def test_every_text_on_the_chat_page_meets_wcag_aa_contrast(
+    open_page: OpenPage, scheme: str
+) -> None:
+    """4.5:1 at least, measured on the colours the browser computed for every text shown:
+    the header, the setting, a person's message, a markdown answer (code, links, a table, a
+    quote) and its usage line, a refused message, a lost question and answer with their note,
+    a folded message, the status line, the placeholders; and the KV view's."""
+    opened = await open_page("/", color_scheme=scheme)
+    page = opened.page
+    assert await page.evaluate("document.documentElement.dataset.theme") == scheme
+    await page.click("#settings summary")
+    await page.fill("#system", "Be brief.")
+    await page.evaluate("addMessage('user', 'What is a palindrome?')")
+    await stream_answer(page, ANSWER_MD + "\n> a quote, and *emphasis*\n")
+    await page.evaluate("addMessage('user', 'Refused').classList.add('refused')")
+    await page.evaluate("fold(addMessage('user', 'Long ' + 'x'.repeat(400)), 405)")
+    await page.evaluate(
+        "state.lost = {question: 'Lost question', answer: 'Lost answer'}; showLost([])"
+    )
+    await page.evaluate(
+        "const note = document.createElement('div'); note.className = 'system-note';"
+        "note.textContent = 'System prompt: Be brief.'; append(note)"
+    )
+    await page.evaluate("addMessage('assistant', 'Streaming').classList.add('streaming')")
+    await page.evaluate("status('A status line', false)")
+    measured = await _contrasts(page)
+    await page.evaluate("status('An error', true)")
+    measured |= {k: v for k, v in (await _contrasts(page)).items() if "status" in k}
+    for shown in SHOWN:  # each kind of text was there to be measured
+        assert any(k == shown or k.endswith(f" > {shown}") for k in measured), (shown, measured)
+    # The KV view's texts too (its legend, counters and table, as this idle server has them).
+    kv = await open_page("/kv", color_scheme=scheme)
+    await kv.page.wait_for_function("document.getElementById('device-total').textContent")
+    measured |= {f"/kv {k}": v for k, v in (await _contrasts(kv.page)).items()}
+    low = {what: round(ratio, 2) for what, ratio in measured.items() if ratio < 4.5}
+    assert not low, f"{scheme}: under 4.5:1: {low}"
+    assert not opened.errors and not kv.errors, (opened.errors, kv.errors)
+
+
+async def _contrasts(page: Any) -> dict[str, float]:
+    """The lowest contrast of each kind of text on the page (TEXT_COLOURS_JS)."""
+    measured: dict[str, float] = {}
+    for pair in await page.evaluate(TEXT_COLOURS_JS):
+        assert not pair["faded"], pair  # opacity below 1 on text
+        ratio = _contrast(pair["text"], pair["background"])
+        measured[pair["what"]] = min(ratio, measured.get(pair["what"], ratio))
+    return measured
+
+
 async def test_an_over_long_message_is_folded_kept_in_the_box_and_the_limit_said(
     open_page: OpenPage, tmp_path: Any
 ) -> None:
