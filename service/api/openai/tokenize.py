@@ -59,6 +59,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 
 R = TypeVar("R", TokenizeRequest, DetokenizeRequest)
+# The fields that shape a conversation's prompt: with a plain prompt they would do nothing.
+_CHAT_ONLY = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "chat_template",
+    "mm_processor_kwargs",
+)
 
 
 def tokenize_request(
@@ -74,6 +84,9 @@ def tokenize_request(
     if req.messages is not None:
         ids, param = _conversation(req, chat, limits, max_model_len), "messages"
     else:
+        for name in _CHAT_ONLY:
+            if getattr(req, name) is not None:
+                raise invalid(f"{name} applies to messages, not to a prompt", name)
         plain = req.add_special_tokens is False
         ids, param = _prompt(req.prompt or "", plain, tokenizer, limits), "prompt"
     if len(ids) > max_model_len:

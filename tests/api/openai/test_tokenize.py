@@ -184,6 +184,7 @@ def test_a_prompt_is_tokenized_as_a_text_completion_reads_it(server: ServerProce
         ("/tokenize", b"[1, 2]", 400, "bad_request", None),
         ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, "invalid_value", None),
         ("/tokenize", {}, 400, "invalid_value", None),
+        ("/tokenize", {"prompt": "hi", "tools": [WEATHER]}, 400, "invalid_value", "tools"),
         ("/tokenize", {"prompt": "hi", "no_such_field": 1}, 400, "bad_request", "no_such_field"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value",
          "messages[0].role"),
