@@ -207,6 +207,24 @@ static inline v8 lane_bytes(v8i packed, int at) {
     return v8_from_ints(v8i_and(v8i_shr(packed, 8 * at), 0xFF));
 }
 
+/* Each input row's eight accumulators, lane l of the row path's, zero */
+static inline __attribute__((always_inline)) void x8_start(v8 acc[4][CHUNK], const int R) {
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < CHUNK; l++)
+            acc[r][l] = v8_zero();
+}
+
+/* Each input row's outputs, its eight rows', to y + r ldy: the accumulators summed in v8_sum's
+   tree, lane by lane, plus the row path's tail (empty: + 0, as it adds it) */
+static inline __attribute__((always_inline)) void x8_finish(v8 acc[4][CHUNK], const int R, float *y,
+                                                            int64_t ldy) {
+    for (int r = 0; r < R; r++) {
+        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
+        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
+        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero()));
+    }
+}
+
 /* The eight rows of a PC_Q4_K_X8 `group` (`fifth`: PC_Q5_K_X8, a fifth bit a weight) against
    R <= 4 input rows (x, rows ldx apart), to y + r ldy [0..8). Lane j is weight row j's, and its
    terms are taken in the canonical order: acc[r][l] here is lane l of the row path's accumulators
@@ -221,9 +239,7 @@ static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *grou
     const int64_t block_bytes = fifth ? X8_Q5_K_BLOCK : X8_Q4_K_BLOCK;
     const int64_t qs_at = fifth ? X8_Q5_K_QS : X8_Q4_K_QS;
     v8 acc[4][CHUNK];
-    for (int r = 0; r < R; r++)
-        for (int l = 0; l < CHUNK; l++)
-            acc[r][l] = v8_zero();
+    x8_start(acc, R);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *g = group + b * block_bytes;
         const v8 d = v8_from_fp16x8(g + X8_Q4_K_D);
@@ -258,11 +274,7 @@ static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *grou
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
-        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
-        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
-    }
+    x8_finish(acc, R, y, ldy);
 }
 
 static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
@@ -287,9 +299,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
                                                                 float *y, int64_t ldy,
                                                                 const int R) {
     v8 acc[4][CHUNK];
-    for (int r = 0; r < R; r++)
-        for (int l = 0; l < CHUNK; l++)
-            acc[r][l] = v8_zero();
+    x8_start(acc, R);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *g = group + b * X8_Q6_K_BLOCK, *scales = g + X8_Q6_K_SCALES;
         prefetch_span(g + X8_PREFETCH_BLOCKS * X8_Q6_K_BLOCK, X8_Q6_K_BLOCK);
@@ -321,11 +331,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
-        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
-        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
-    }
+    x8_finish(acc, R, y, ldy);
 }
 
 /* The eight rows of a PC_Q8_0_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
@@ -336,9 +342,7 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
                                                                 float *y, int64_t ldy,
                                                                 const int R) {
     v8 acc[4][CHUNK];
-    for (int r = 0; r < R; r++)
-        for (int l = 0; l < CHUNK; l++)
-            acc[r][l] = v8_zero();
+    x8_start(acc, R);
     const int64_t blocks = k / 32;
     for (int64_t first = 0; first < blocks; first += CHUNK) {
         for (int l = 0; l < CHUNK; l++) {
@@ -363,11 +367,7 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
-        const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
-        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero())); /* + the (empty) tail */
-    }
+    x8_finish(acc, R, y, ldy);
 }
 
 /* a regrouped group against m input rows, four at a time */
