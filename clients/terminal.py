@@ -33,6 +33,7 @@ import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 from websockets.exceptions import (
     ConnectionClosed,
     InvalidHandshake,
@@ -43,6 +44,7 @@ from websockets.exceptions import (
 from websockets.protocol import State
 
 from clients.chat_client import ChatClient, ChatServerError
+from protocol.flags import add_param_flags, param_values
 from protocol.frames import Delta, Done, Error
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/chat"
@@ -230,12 +232,7 @@ class Connection:
 async def answer(client: ChatClient, text: str, args: argparse.Namespace) -> None:
     """Send one message and print its answer as it streams, then its usage line."""
     try:
-        await client.send_user(
-            text,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            ignore_eos=args.ignore_eos,
-        )
+        await client.send_user(text, **msgspec.structs.asdict(param_values(args)))
     except ConnectionClosed:
         raise NotSent from None
     view = AnswerView(markdown=args.markdown == "on")
@@ -425,29 +422,13 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("PAGECHAT_API_KEY"),
         help="for a server with API keys (default: $PAGECHAT_API_KEY, or none)",
     )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=256,
-        help="the most tokens in one answer (default: %(default)s)",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.7,
-        help="sampling temperature, 0 is greedy (default: %(default)s)",
-    )
+    add_param_flags(p)  # a `user` frame's params (protocol/flags.py), as `pagechat chat` takes them
     p.add_argument(
         "--markdown",
         choices=["auto", "on", "off"],
         default="auto",
         help="render answers as markdown (code blocks, lists, tables); auto: when the output "
         "is a terminal that can redraw (not TERM=dumb) (default: %(default)s)",
-    )
-    p.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="keep answering past the end of the turn, up to --max-tokens (default: off)",
     )
     return p
 

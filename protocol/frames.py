@@ -7,7 +7,7 @@ offers the `pagechat.msgpack` subprotocol gets the same objects as msgpack binar
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -64,27 +64,59 @@ class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     json_schema: JsonSchemaFormat | None = None
 
 
+def _about(text: str) -> msgspec.Meta:
+    """A field's help: the command-line flags made from it say it (protocol/flags.py)."""
+    return msgspec.Meta(description=text)
+
+
 class UserParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a `user` frame asks to be answered; the server turns it into the engine's
-    SamplingParams within its limits."""
+    SamplingParams within its limits. The terminal client's and the `pagechat` command's
+    sampling flags are made from these fields (protocol/flags.py)."""
 
-    max_tokens: int | None = None  # None: the server's default
-    temperature: float = 0.7  # 0 is greedy
-    top_p: float = 0.95
-    top_k: int = 0  # 0 disables top-k
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False  # keep generating past the end of the turn (benchmarks)
-    logprobs: int | None = None  # top log-probabilities per token, 0..20
+    max_tokens: Annotated[
+        int | None,
+        _about(
+            "the answer's length, 1 to the server's --max-tokens; refused if the context cannot"
+            " hold it after the prompt. Omitted: the server's default, or the room left if less"
+        ),
+    ] = None
+    temperature: Annotated[float, _about("0 is greedy; 0..100")] = 0.7
+    top_p: Annotated[float, _about("nucleus sampling, in (0, 1]")] = 0.95
+    top_k: Annotated[int, _about("sample among the k likeliest; 0 disables top-k")] = 0
+    seed: Annotated[int | None, _about("reproducible sampling (a 64-bit signed integer)")] = None
+    stop: Annotated[
+        list[str], _about("a stop string (not part of the answer); give it again for more")
+    ] = msgspec.field(default_factory=list)
+    ignore_eos: Annotated[
+        bool, _about("keep generating past the end of the turn, to max_tokens (benchmarks)")
+    ] = False
+    logprobs: Annotated[int | None, _about("top log-probabilities per token, 0..20")] = None
     # Against loops (OpenAI's and vLLM's meanings): presence and frequency over the answer's
     # tokens, in [-2, 2]; repetition over the prompt's and the answer's, in (0, 2], 1 none.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
-    min_tokens: int = 0  # no end of turn or stop string before this many tokens
-    bad_words: list[str] = msgspec.field(default_factory=list)  # never written, vLLM's way
-    response_format: ResponseFormat | None = None  # the answer as JSON (OpenAI's field)
+    presence_penalty: Annotated[
+        float, _about("[-2, 2]: minus this on a token's logit once it has come")
+    ] = 0.0
+    frequency_penalty: Annotated[
+        float, _about("[-2, 2]: minus this on a token's logit per time it has come")
+    ] = 0.0
+    repetition_penalty: Annotated[
+        float,
+        _about(
+            "(0, 2], 1 none: a seen token's positive logit divided by it, a negative one"
+            " multiplied (1.3 stops the bundled model's loops)"
+        ),
+    ] = 1.0
+    min_p: Annotated[
+        float, _about("[0, 1]: drop tokens less likely than min_p times the likeliest")
+    ] = 0.0
+    min_tokens: Annotated[int, _about("no end of turn or stop string before this many tokens")] = 0
+    bad_words: Annotated[
+        list[str], _about("a word the answer never writes (vLLM's); give it again for more")
+    ] = msgspec.field(default_factory=list)
+    response_format: Annotated[
+        ResponseFormat | None, _about("the answer as JSON (OpenAI's field)")
+    ] = None
 
 
 class _ClientFrame(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=True):

@@ -3,6 +3,9 @@
 pagechat generate "PROMPT"   one streamed chat answer
 pagechat chat                a multi-turn chat; every turn reuses the previous turns' KV
 pagechat serve               the WebSocket chat service (docs/protocol.md)
+
+`generate` and `chat` take a `user` frame's sampling flags (protocol/flags.py), the terminal
+client's, with their defaults, and build the engine's parameters as the server does.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-import msgspec
-
+from protocol.flags import add_param_flags, param_values
+from service.api.limits import Limits
+from service.api.sampling import AskedSampling, Room, SamplingError, sampling_params, user_sampling
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.families import UnsupportedModelError
-from service.engine.params import DEFAULT_MAX_TOKENS, SamplingParams
+from service.engine.params import DEFAULT_MAX_TOKENS
 from service.sessions.prompt import ChatFormat
 
 # The engine options `generate` and `chat` take, as `serve` does (service.server.options).
@@ -36,61 +40,48 @@ CLI_ENGINE_FIELDS = (
 )
 
 
+# The server's limits, less its cap on max_tokens: the command answers one person, so an answer
+# may be as long as the context holds.
+LIMITS = Limits(max_tokens=2**31 - 1)
+
+
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     from service.server.options import add_arguments
 
     add_arguments(parser, ["engine"], only=CLI_ENGINE_FIELDS)
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="an answer's length (the server's default), at most what the context has left",
-    )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="(0, 2], 1 none: a seen token's positive logit divided by it, a negative one"
-        " multiplied (1.3 stops the bundled model's loops)",
-    )
-    parser.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="[-2, 2]: per time a token came"
-    )
-    parser.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="[-2, 2]: once a token has come"
-    )
+    add_param_flags(parser)  # a `user` frame's params, as the terminal client's flags
     parser.add_argument("--system", default=None, help="system prompt")
 
 
-def _build(args: argparse.Namespace) -> tuple[LLMEngine, SamplingParams]:
+def _build(args: argparse.Namespace) -> tuple[LLMEngine, AskedSampling]:
     from service.server.options import values
 
     config = EngineConfig(**values(args, "engine", only=CLI_ENGINE_FIELDS))
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            repetition_penalty=args.repetition_penalty,
-            frequency_penalty=args.frequency_penalty,
-            presence_penalty=args.presence_penalty,
-        )
-    except ValueError as exc:  # before the model loads: one line and status 2, as argparse
+    try:  # all but the room checked before the model loads: one line and status 2, as argparse
+        asked = user_sampling(param_values(args))
+        sampling_params(asked, LIMITS, default_max_tokens=DEFAULT_MAX_TOKENS)
+    except SamplingError as exc:
         sys.stderr.write(f"pagechat {args.command}: {exc}\n")
         raise SystemExit(2) from None
-    return LLMEngine(config), params
+    return LLMEngine(config), asked
 
 
 def _stream_answer(
-    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
-) -> list[int]:
-    """Print the answer as it is generated; return its token ids."""
-    room = engine.max_model_len - len(prompt)  # as the server clamps an answer's length
-    params = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, room))
+    engine: LLMEngine, request_id: str, prompt: list[int], asked: AskedSampling
+) -> list[int] | None:
+    """Print the answer as it is generated; return its token ids (None: refused, for want of
+    room in the context, as the server refuses it: NOTE (room) in service/api/sampling.py)."""
+    try:
+        params = sampling_params(
+            asked,
+            LIMITS,
+            default_max_tokens=DEFAULT_MAX_TOKENS,
+            room=Room(len(prompt), engine.max_model_len),
+            tokenizer=engine.tokenizer,
+        )
+    except SamplingError as exc:
+        sys.stderr.write(f"[not answered: {exc}]\n")
+        return None
     engine.add_request(request_id, prompt, params)
     tokens: list[int] = []
     start = time.monotonic()
@@ -109,16 +100,15 @@ def _stream_answer(
 
 
 def generate(args: argparse.Namespace) -> int:
-    engine, params = _build(args)
+    engine, asked = _build(args)
     prompt = ChatFormat(engine.tokenizer).first_prompt(args.system or None, args.prompt)
-    _stream_answer(engine, "generate", prompt, params)
-    return 0
+    return 0 if _stream_answer(engine, "generate", prompt, asked) is not None else 1
 
 
 def chat(args: argparse.Namespace) -> int:
     """As the service answers a session: every turn's prompt is the conversation's ids so far,
     exactly as the model saw them (a prefix-cache hit), plus the new user turn's."""
-    engine, params = _build(args)
+    engine, asked = _build(args)
     chat_format = ChatFormat(engine.tokenizer)
     print("pagechat: type a message; an empty line or Ctrl-D quits", file=sys.stderr)
     history: list[int] = []
@@ -133,7 +123,9 @@ def chat(args: argparse.Namespace) -> int:
             prompt = chat_format.next_prompt(history, text)
         else:
             prompt = chat_format.first_prompt(args.system or None, text)
-        answer = _stream_answer(engine, f"turn-{turn}", prompt, params)
+        answer = _stream_answer(engine, f"turn-{turn}", prompt, asked)
+        if answer is None:  # nothing was said: the conversation stays as it was
+            continue
         history = prompt + answer + chat_format.close_turn(answer)
     return 0
 

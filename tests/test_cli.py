@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from protocol.frames import UserParams
 from service import cli
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams
@@ -135,3 +136,38 @@ def test_a_penalty_out_of_range_is_refused_in_one_line_before_loading(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err == "pagechat generate: repetition_penalty must be in (0, 2] (1 is none)\n"
+
+
+def test_the_sampling_flags_and_defaults_are_the_terminal_clients(
+    model_dir: Path, recorded: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made from a `user` frame's params (protocol/flags.py): no --temperature samples at the
+    protocol's 0.7, as the terminal client and a `user` frame without params do."""
+    asked: list[SamplingParams] = []
+    add = LLMEngine.add_request
+
+    def add_request(
+        self: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams | None = None
+    ) -> None:
+        assert params is not None
+        asked.append(params)
+        add(self, request_id, prompt, params)
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    argv = ["generate", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu"]
+    assert cli.main([*argv, "--max-tokens", "3", "--stop", "x", "--stop", "y", "Hi"]) == 0
+    defaults = UserParams()
+    assert (asked[0].temperature, asked[0].top_p) == (defaults.temperature, defaults.top_p)
+    assert (asked[0].max_tokens, asked[0].stop) == (3, ("x", "y"))
+
+
+def test_a_max_tokens_the_context_cannot_hold_is_refused_as_the_server_refuses_it(
+    model_dir: Path, recorded: Recorded, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NOTE (room) in service/api/sampling.py: refused, never shortened; left out, the
+    default is cut to the room the prompt leaves."""
+    argv = ["generate", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu"]
+    assert cli.main([*argv, "--max-tokens", "100000", "Hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("[not answered: max_tokens is 100000; the context has room for ")
+    assert recorded.prompts == []
