@@ -77,6 +77,13 @@ class ServerConfig:
         " Metrics), and a request naming any other model gets a 404 `model_not_found`",
         shown_default="the model's id",
     )
+    unknown_request_fields: str = setting(
+        "refuse",
+        "refuse | ignore: a field that no OpenAI request of this server has (`temprature`)."
+        " refuse: a 400 naming it, as OpenAI's API answers. ignore: dropped, as vLLM does, and"
+        " named in a warning in the log (at most one a minute), for clients that send other"
+        " servers' fields (docs/protocol.md)",
+    )
     cors_allowed_origins: tuple[str, ...] = setting(
         (),
         "comma-separated `http[s]://host[:port]` whose pages may call the HTTP API (CORS,"
@@ -89,6 +96,8 @@ class ServerConfig:
             raise ValueError("port must be in 0..65535")
         if self.prefix_cache_scope not in ("session", "global"):
             raise ValueError("prefix_cache_scope must be session or global")
+        if self.unknown_request_fields not in ("refuse", "ignore"):
+            raise ValueError("unknown_request_fields must be refuse or ignore")
         if self.lag_interval_s <= 0:
             raise ValueError("lag_interval_s must be > 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -6,7 +6,8 @@ NOTE (schema): as vLLM's server does, every field of OpenAI's request is accepte
 explicit null means the field's default. A field is honoured, or ignored (metadata and hints
 that change nothing an answer holds), or refused with a 400 naming it when it asks for what
 this server cannot do (tools, audio). A field OpenAI does not have is
-refused too, so a misspelt option never silently does nothing. docs/protocol.md lists each.
+refused too, so a misspelt option never silently does nothing, unless the server is told to
+ignore such fields (NOTE (unknown fields) in unknown_fields.py). docs/protocol.md lists each.
 """
 
 from __future__ import annotations
@@ -120,10 +121,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
         return asked
 
 
-def decode_request(body: bytes, served: tuple[str, ...]) -> ChatCompletionRequest:
+def decode_request(
+    body: bytes, served: tuple[str, ...], ignore_unknown: bool = False
+) -> ChatCompletionRequest:
     """The request, or OpenAIError for a body that is not one this server can serve.
-    `served`: the model names this server answers to."""
-    req = decode_fields(body, ChatCompletionRequest, "chat completion request", served)
+    `served`: the model names this server answers to; `ignore_unknown`: drop the fields no
+    request has (NOTE (unknown fields) in service/api/openai/unknown_fields.py)."""
+    what = "chat completion request"
+    req = decode_fields(body, ChatCompletionRequest, what, served, ignore_unknown)
     _refuse_what_cannot_be_honoured(req)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -36,8 +36,10 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
         return self.shared_sampling(self.max_tokens, self.logprobs, {"prompt": "prompt"})
 
 
-def decode_completion_request(body: bytes, served: tuple[str, ...]) -> CompletionRequest:
-    req = decode_fields(body, CompletionRequest, "completion request", served)
+def decode_completion_request(
+    body: bytes, served: tuple[str, ...], ignore_unknown: bool = False
+) -> CompletionRequest:
+    req = decode_fields(body, CompletionRequest, "completion request", served, ignore_unknown)
     if req.echo:
         raise invalid("echo is not supported (only false)", "echo", "unsupported_value")
     if req.suffix is not None:

@@ -17,6 +17,7 @@ from service.api.openai.errors import (
     invalid,
     model_not_found,
 )
+from service.api.openai.unknown_fields import convert_ignoring, unknown_field
 from service.api.sampling import AskedSampling, SamplingError, SamplingErrorKind
 from service.api.structured import (
     StructuredError,
@@ -129,11 +130,24 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 Request = TypeVar("Request", bound=SamplingFields)
 
 
-def decode_fields(body: bytes, kind: type[Request], what: str, served: tuple[str, ...]) -> Request:
+def decode_fields(
+    body: bytes,
+    kind: type[Request],
+    what: str,
+    served: tuple[str, ...],
+    ignore_unknown: bool = False,  # --unknown-request-fields ignore
+) -> Request:
     """A request of `kind` from its JSON body, its shared fields checked (the model among
-    `served`, the neutral-only ones, a non-empty cache_salt); OpenAIError if not."""
+    `served`, the neutral-only ones, a non-empty cache_salt); OpenAIError if not. A field no
+    request has is refused, or dropped with `ignore_unknown`: NOTE (unknown fields) in
+    service/api/openai/unknown_fields.py."""
     try:
-        req = msgspec.json.decode(body, type=kind)
+        try:
+            req = msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as exc:
+            if not ignore_unknown or unknown_field(exc) is None:
+                raise
+            req = convert_ignoring(msgspec.json.decode(body), kind, what)
     except msgspec.DecodeError as exc:
         raise decode_error(exc, what) from None
     except RecursionError:  # the decoder's own bound on nesting

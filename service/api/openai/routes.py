@@ -76,6 +76,8 @@ class OpenAIParts:
     # The model names this server answers to (--served-model-name), the first the one it
     # reports.
     names: tuple[str, ...]
+    # --unknown-request-fields ignore: a body's fields no request has are dropped, not refused.
+    ignore_unknown_fields: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -161,7 +163,7 @@ class OpenAIRoutes:
     def _chat(
         body: bytes, parts: OpenAIParts
     ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-        req = decode_request(body, parts.names)
+        req = decode_request(body, parts.names, parts.ignore_unknown_fields)
         prompt = render_prompt(req, parts.chat_format, parts.limits, parts.sizes[0])
         # Two hops: the request as one value, then the one builder (service/api/sampling.py),
         # whose SamplingError `_answer` words as OpenAI's.
@@ -175,7 +177,7 @@ class OpenAIRoutes:
     def _text(
         body: bytes, parts: OpenAIParts
     ) -> tuple[CompletionRequest, list[int], SamplingParams]:
-        req = decode_completion_request(body, parts.names)
+        req = decode_completion_request(body, parts.names, parts.ignore_unknown_fields)
         prompt = completion_prompt(req, parts.engine.tokenizer, parts.limits)
         params = sampling_params(
             req.sampling(), parts.limits, default_max_tokens=parts.limits.default_completion_tokens,
