@@ -361,6 +361,27 @@ def test_bad_requests_get_openai_shaped_errors(
     assert error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_the_room_rule_an_explicit_max_tokens_is_refused_the_default_fills_the_room(
+    server: ServerProcess,
+) -> None:
+    """NOTE (room) in service/api/sampling.py, as tests/api/ws/test_chat.py checks it on the
+    WebSocket: a max_tokens the context cannot hold after the prompt is a 400 naming the
+    field as sent, never a shorter answer; left out, the answer may fill the room left."""
+    messages = [{"role": "user", "content": "river " * 200}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        status, result = post(server, {"messages": messages, field: 100})
+        assert status == 400, result
+        error = result["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", field)
+    status, result = post(server, {"messages": messages, "ignore_eos": True, "temperature": 0})
+    assert status == 200, result
+    usage = result["usage"]
+    room = MAX_MODEL_LEN - usage["prompt_tokens"]
+    assert 0 < room < 64  # under --default-max-tokens: the room left is the bound
+    assert usage["completion_tokens"] == room
+    assert result["choices"][0]["finish_reason"] == "length"
+
+
 def _post_head(server: ServerProcess, content_length: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(
