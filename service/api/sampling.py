@@ -153,6 +153,7 @@ def sampling_params(
     if vocab_size is None and tokenizer is not None:
         vocab_size = tokenizer.vocab_size
     _check_ids(asked, vocab_size)
+    _check_words(asked.bad_words)
     bad_words = bad_word_ids(asked.bad_words, tokenizer) if tokenizer is not None else ()
     if max_tokens is not None:
         _check_max_tokens(asked, max_tokens, limits, room)
@@ -185,12 +186,9 @@ def sampling_params(
 def bad_word_ids(words: Sequence[str], tokenizer: TextTokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token sequences: each word as it reads at the start of a text and
     after a space (" word" is other tokens in most vocabularies)."""
-    if len(words) > MAX_BAD_WORDS:
-        raise SamplingError(f"bad_words takes at most {MAX_BAD_WORDS} words", "bad_words")
+    _check_words(words)
     found: dict[tuple[int, ...], None] = {}
     for word in words:
-        if not word.strip():
-            raise SamplingError("bad_words must be non-empty words", "bad_words")
         for text in (word, " " + word.lstrip()):
             if ids := tuple(tokenizer.encode(text)):
                 found[ids] = None
@@ -219,6 +217,13 @@ def _check_max_tokens(
             max_tokens,
             asked.name("prompt"),
         )
+
+
+def _check_words(words: Sequence[str]) -> None:
+    if len(words) > MAX_BAD_WORDS:
+        raise SamplingError(f"bad_words takes at most {MAX_BAD_WORDS} words", "bad_words")
+    if any(not word.strip() for word in words):
+        raise SamplingError("bad_words must be non-empty words", "bad_words")
 
 
 def _check_ids(asked: AskedSampling, vocab_size: int | None) -> None:

@@ -128,6 +128,9 @@ def test_bad_words_are_tokenized_at_a_texts_start_and_after_a_space() -> None:
         bad_word_ids(["  "], words)
     with pytest.raises(SamplingError):
         bad_word_ids(["w"] * (MAX_BAD_WORDS + 1), words)
+    with pytest.raises(SamplingError) as caught:  # checked before any tokenizer is at hand
+        build(AskedSampling(bad_words=("ok", " ")))
+    assert caught.value.param == "bad_words"
 
 
 def test_a_user_frames_params_become_one_value_with_the_protocols_defaults() -> None:
