@@ -101,6 +101,14 @@ class AskedSampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return self.names.get(field, field)
 
 
+# The fields that reach SamplingParams as asked (max_tokens and bad_words are the builder's).
+_AS_ASKED = tuple(
+    name
+    for name in AskedSampling.__struct_fields__
+    if name in SamplingParams.__struct_fields__ and name not in ("max_tokens", "bad_words")
+)
+
+
 def user_sampling(params: UserParams) -> AskedSampling:
     """A `/v1/chat` `user` frame's params (and the `pagechat` command's flags, the same
     fields) as the one value; SamplingError for a response_format that cannot be one."""
@@ -160,23 +168,8 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=_default(default_max_tokens, room) if max_tokens is None else max_tokens,
-            temperature=asked.temperature,
-            top_p=asked.top_p,
-            top_k=asked.top_k,
-            n=asked.n,
-            seed=asked.seed,
-            stop=asked.stop,
-            stop_token_ids=asked.stop_token_ids,
-            ignore_eos=asked.ignore_eos,
-            logprobs=asked.logprobs,
-            logit_bias=asked.logit_bias,
-            presence_penalty=asked.presence_penalty,
-            frequency_penalty=asked.frequency_penalty,
-            repetition_penalty=asked.repetition_penalty,
-            min_p=asked.min_p,
-            min_tokens=asked.min_tokens,
             bad_words=bad_words,
-            structured=asked.structured,
+            **{name: getattr(asked, name) for name in _AS_ASKED},
         )
     except ValueError as exc:
         field = _field_named(str(exc))

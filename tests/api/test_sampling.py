@@ -103,6 +103,11 @@ def test_each_field_reaches_the_engine_unchanged() -> None:
     )  # fmt: skip
 
 
+def test_every_field_but_the_names_is_one_of_the_engines() -> None:
+    asked = set(AskedSampling.__struct_fields__) - {"names"}
+    assert asked == set(SamplingParams.__struct_fields__)
+
+
 def test_token_ids_must_be_in_the_vocabulary() -> None:
     def limits_check(asked: AskedSampling) -> SamplingParams:
         return sampling_params(asked, Limits(), default_max_tokens=16, vocab_size=8)
