@@ -2,7 +2,9 @@
 open-file limit: does it still answer, and how much does it log?
 
 Starts `pagechat serve` (embedded Redis, the bundled model) under `prlimit --nofile=LIMIT`,
-opens `--sockets` connections that each send half a WebSocket handshake and then nothing, and
+opens `--sockets` connections (from `--sources` in turn, 127.0.0.2 by default: one client past
+its cap of waiting connections sees the rest reset) that each send half a WebSocket handshake
+and then nothing, and
 while they are held asks, `--probes` times: GET /health, a WebSocket handshake, and a
 one-token POST /v1/chat/completions, each with a 10 s deadline. Reported: how many of each
 answered, the slowest, how many of the held sockets the server closed, and the log's size.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import re
@@ -23,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nofile", type=int, default=2048)
     parser.add_argument("--probes", type=int, default=5)
     parser.add_argument("--hold-s", type=float, default=30.0, help="how long the sockets are held")
+    parser.add_argument(
+        "--sources", default="127.0.0.2", help="the held sockets' addresses, comma-separated"
+    )
     parser.add_argument("server_args", nargs="*", help="more `pagechat serve` options")
     opts = parser.parse_args(argv)
-    held = run(opts.sockets, opts.nofile, opts.probes, opts.hold_s, opts.server_args)
+    sources = opts.sources.split(",")
+    held = run(opts.sockets, opts.nofile, opts.probes, opts.hold_s, opts.server_args, sources)
     print(f"{opts.sockets} half-open sockets held {opts.hold_s:g} s, server nofile {opts.nofile}")
     for name, times in held.probes.items():
         ok = [t for t in times if t is not None]
@@ -138,16 +147,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if held.all_answered else 1
 
 
-def run(sockets: int, nofile: int, probes: int, hold_s: float, server_args: list[str]) -> Held:
+def run(
+    sockets: int,
+    nofile: int,
+    probes: int,
+    hold_s: float,
+    server_args: list[str],
+    sources: Sequence[str] = ("127.0.0.2",),
+) -> Held:
+    """`sources`: the held sockets' client addresses, in turn (the probes come from
+    127.0.0.1; all of 127.0.0.0/8 is loopback on Linux)."""
+    turn = itertools.cycle(sources)
     with tempfile.TemporaryDirectory() as tmp:
         proc, port, log = start(Path(tmp), nofile, server_args)
         try:
             held = []
+            reset = 0  # reset as they connected (one client address's cap: listener.py)
             for _ in range(sockets):
-                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-                sock.sendall(HALF_HANDSHAKE)
-                sock.setblocking(False)
+                try:
+                    sock = socket.create_connection(
+                        ("127.0.0.1", port), timeout=10, source_address=(next(turn), 0)
+                    )
+                except ConnectionResetError:
+                    reset += 1
+                    continue
                 held.append(sock)
+                with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+                    sock.sendall(HALF_HANDSHAKE)  # if reset, answered_or_closed counts it
+                sock.setblocking(False)
             results: dict[str, list[float | None]] = {"health": [], "websocket": [], "chat": []}
             end = time.monotonic() + hold_s
             for _ in range(probes):
@@ -156,7 +183,7 @@ def run(sockets: int, nofile: int, probes: int, hold_s: float, server_args: list
                 results["chat"].append(probe_chat(port))
             while time.monotonic() < end:
                 time.sleep(0.5)
-            closed = sum(answered_or_closed(sock) for sock in held)
+            closed = reset + sum(answered_or_closed(sock) for sock in held)
             for sock in held:
                 sock.close()
         finally:

@@ -76,6 +76,20 @@ class Limits:
         " `max_connections` connections may be waiting for their headers at once; a new one"
         " past that closes the one waiting longest (service/server/http_guard.py)",
     )
+    max_pending_per_address: int = setting(
+        64,
+        "connections one client address may have waiting for their headers at once (as"
+        " `header_timeout_s` counts them); one more is reset as it is accepted, before any"
+        " other work. Peers in `trusted_proxies` are exempt, and `uds` has no such cap"
+        " (service/server/listener.py)",
+    )
+    fd_reserve: int = setting(
+        128,
+        "file descriptors kept back below the process's open-file limit: a connection"
+        " accepted into them pushes out the one waiting longest for its headers, or is reset"
+        " if none is, so a client that sends its request at once still gets in and the"
+        " server's own Redis connections and files still get a descriptor (not on `uds`)",
+    )
     body_timeout_s: float = setting(
         10.0,
         "seconds an HTTP request's body may take to arrive in full, once its headers have; past"
@@ -95,6 +109,7 @@ class Limits:
             "max_tokens",
             "session_ttl_s",
             "send_queue_frames",
+            "max_pending_per_address",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -104,6 +119,8 @@ class Limits:
             raise ValueError("default_max_tokens must be <= max_tokens")
         if self.default_completion_tokens > self.max_tokens:
             raise ValueError("default_completion_tokens must be <= max_tokens")
+        if self.fd_reserve < 0:
+            raise ValueError("fd_reserve must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
         if self.body_timeout_s <= 0 or self.header_timeout_s <= 0:

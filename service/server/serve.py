@@ -9,6 +9,7 @@ Redis (the embedded one saves to disk).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import signal
@@ -17,23 +18,28 @@ import sys
 import time
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from service.engine.loader import LoadedModel, check_model
 from service.server.app import create_app
 from service.server.config import ServerConfig
-from service.server.http_guard import guarded_h11
+from service.server.connection_log import ConnectionLog
+from service.server.http_guard import Waiting, guarded_h11
 from service.server.hub import Hub
+from service.server.listener import AcceptPolicy, OpenFiles, bind
 from service.server.options import config_from_args
 
+_uvicorn_log = logging.getLogger("uvicorn.error")
 # The exit status when the engine thread died: distinct from 1 (an unclean stop) so that a
 # supervisor's logs tell the two apart; either way it restarts the process.
 EXIT_ENGINE_FAILED = 3
 
 
 class PagechatServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, hub: Hub) -> None:
+    def __init__(self, config: uvicorn.Config, hub: Hub, accept_policy: AcceptPolicy) -> None:
         super().__init__(config)
         self.hub = hub
+        self.accept_policy = accept_policy
         self.exit_code: int | None = None  # set when the server stops itself
         hub.on_fatal = self._engine_failed
 
@@ -41,15 +47,44 @@ class PagechatServer(uvicorn.Server):
         self.exit_code = EXIT_ENGINE_FAILED
         self.should_exit = True  # uvicorn's main loop notices within 0.1 s and shuts down
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up on listening sockets of our own on `host`:`port`, whose accept()
+        is the first gate (service/server/listener.py); a Unix socket is uvicorn's."""
+        if sockets is not None or self.config.uds is not None:
+            await super().startup(sockets)
+            return
+        try:
+            listeners = bind(self.config.host, self.config.port, self.accept_policy)
+        except OSError as exc:
+            _uvicorn_log.error(exc)
+            sys.exit(STARTUP_FAILURE)
+        await super().startup(list(listeners))
+        if self.started:  # uvicorn says it only for the sockets it binds: the same line
+            port = listeners[0].getsockname()[1]
+            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+            _uvicorn_log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()  # stop accepting before the drain, not after it
         await self.hub.drain()
         await super().shutdown(sockets)
+        self.accept_policy.closed_log.close()
 
 
 def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> PagechatServer:
     hub = Hub(config, loaded)
+    limits = config.limits
+    # Connections waiting for their headers, shared by the listening socket and the protocol.
+    waiting = Waiting()
+    closed_log = ConnectionLog(logging.getLogger("service.server.http_guard"))
+    accept_policy = AcceptPolicy(
+        waiting,
+        closed_log,
+        OpenFiles(limits.fd_reserve),
+        max_pending_per_address=limits.max_pending_per_address,
+        trusted_proxies=tuple(ipaddress.ip_network(p) for p in config.trusted_proxies),
+    )
     uv_config = uvicorn.Config(
         create_app(hub),
         host=config.host,
@@ -59,7 +94,7 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         ws_max_size=config.limits.ws_max_size,
         lifespan="on",
         # Requests whose headers never finish: timed out and capped (uvicorn bounds neither).
-        http=guarded_h11(config.limits.header_timeout_s, config.limits.max_connections),
+        http=guarded_h11(limits.header_timeout_s, limits.max_connections, waiting, closed_log),
         access_log=config.access_log,
         # X-Forwarded-For names the client only from a --trusted-proxies peer (uvicorn would
         # trust 127.0.0.1 by default, letting any local process pick its address).
@@ -68,7 +103,7 @@ def build_server(config: ServerConfig, loaded: LoadedModel | None = None) -> Pag
         log_config=None,
         timeout_graceful_shutdown=int(config.limits.drain_timeout_s) + 10,
     )
-    return PagechatServer(uv_config, hub)
+    return PagechatServer(uv_config, hub, accept_policy)
 
 
 class ClientFaultFilter(logging.Filter):
