@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -101,9 +101,13 @@ class ServerProcess:
             raise AssertionError(f"the server did not stop in {timeout}s:\n{self.log()}") from None
 
 
-def start_server(log_path: Path, *args: str, timeout: float = 180.0) -> ServerProcess:
+def start_server(
+    log_path: Path, *args: str, timeout: float = 180.0, launcher: Sequence[str] = ()
+) -> ServerProcess:
+    """`launcher`: a command put before the server's own, which runs it in its place
+    (`prlimit --nofile=512`), so that the process is the server."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *args]
+    command = [*launcher, sys.executable, "-m", "service.cli", "serve", "--port", "0", *args]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     deadline = time.monotonic() + timeout
@@ -146,7 +150,7 @@ async def wait_balanced(server: ServerProcess, timeout: float = 10.0) -> dict[st
 
 @contextlib.contextmanager
 def running_server(
-    directory: Path, *args: str, prefix: str | None = None
+    directory: Path, *args: str, prefix: str | None = None, launcher: Sequence[str] = ()
 ) -> Iterator[ServerProcess]:
     """A server on the Redis at 127.0.0.1:6379 under a fresh key prefix (or `prefix`, whose
     keys its owner deletes), stopped (and a fresh prefix's keys deleted) at the end; a stop
@@ -154,7 +158,9 @@ def running_server(
     fresh = prefix is None
     key_prefix = unique_prefix() if prefix is None else prefix
     server = start_server(
-        directory / "server.log", "--redis-url", REDIS_URL, "--redis-prefix", key_prefix, *args
+        directory / "server.log",
+        *("--redis-url", REDIS_URL, "--redis-prefix", key_prefix, *args),
+        launcher=launcher,
     )
     try:
         yield server
