@@ -70,12 +70,12 @@ class Blocks:
     kind: WeightType
     data: Tensor
     k: int
-    # Q8_0 and the K types: its rows regrouped eight at a time for the int8 products (ROWS_X8)
+    # its rows regrouped eight at a time for the int8 products (ROWS_X8; not Q5_0)
     rows_x8: bool = False
 
     def __post_init__(self) -> None:
         if self.rows_x8 and (self.kind not in REGROUPED or self.data.shape[0] % 8):
-            raise ValueError("rows regrouped eight at a time: K types of a multiple of 8 rows only")
+            raise ValueError("rows regrouped eight at a time: 8 n rows of a type but Q5_0 only")
         width = row_bytes(self.kind, self.k)
         if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != width:
             raise ValueError(
@@ -107,13 +107,15 @@ class Blocks:
         return stored_rows_x8(self.kind, self.data) if self.rows_x8 else self.data
 
 
-# NOTE (ROWS_X8): where the products take int8 inputs, the rows of Q8_0 and the K types are
+# NOTE (ROWS_X8): where the products take int8 inputs, the rows of every type but Q5_0 are
 # regrouped eight at a time (kernels/cpu/src/rows_x8.h): each block of the eight rows side by
 # side, their integers four bytes of each row at a time, so that a product keeps each row's
 # sums in its own vector lane and never sums across lanes (the scales of eight rows unpacked
 # at once). The same bytes, moved: each row's values are the file's.
 ROWS_X8 = 0x100
-REGROUPED = (WeightType.Q8_0, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K)
+# Every type but Q5_0 (its fifth bits are one word a block: they would need spreading lane by
+# lane, so it is read as stored).
+REGROUPED = tuple(t for t in WeightType if t != WeightType.Q5_0)
 
 
 def _runs(part: Tensor, runs: int) -> Tensor:
@@ -133,7 +135,12 @@ def stored_rows_x8(kind: WeightType, data: Tensor) -> Tensor:
     def per_row(part: Tensor, size: int) -> Tensor:  # [8 rows, size] a block
         return part.reshape(groups, blocks, 8, size)
 
-    if kind == WeightType.Q8_0:
+    if kind in (WeightType.Q4_0, WeightType.Q4_1):  # d (and m), 16 bytes of nibbles
+        count = 1 if kind == WeightType.Q4_0 else 2
+        nibbles = g[..., 16 * count :].reshape(groups, blocks, 4, 8, 4).transpose(2, 3)
+        parts = [per_row(g[..., 16 * i : 16 * i + 16], 2) for i in range(count)]
+        parts.append(nibbles.reshape(groups, blocks, 8, 16))
+    elif kind == WeightType.Q8_0:
         parts = [per_row(g[..., 0:16], 2), _runs(g[..., 16:], 1)]  # d, the weights
     elif kind in (WeightType.Q4_K, WeightType.Q5_K):
         words = g[..., 32:128].reshape(groups, blocks, 3, 8, 4).permute(0, 1, 3, 2, 4)

@@ -190,7 +190,7 @@ def dequantize_rows(kernels: KernelSet, weight: Blocks, ids: Tensor) -> Tensor:
 
 
 def regroup_rows_x8(kernels: KernelSet, weight: Blocks) -> Blocks:
-    """A Q8_0 or K-type weight of a multiple of 8 rows with its rows regrouped
+    """A weight (any type but Q5_0) of a multiple of 8 rows with its rows regrouped
     eight at a time, in place (formats.py, ROWS_X8): the same tensor, its rows no longer as
     stored."""
     if weight.rows_x8:

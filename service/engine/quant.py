@@ -84,7 +84,7 @@ class PackedWeight:
         return self
 
     def regrouped(self, kernels: KernelSet) -> PackedWeight:
-        """This weight with each Q8_0 or K-type part of a multiple of 8 rows
+        """This weight with each part (of a type but Q5_0) of a multiple of 8 rows
         regrouped eight rows at a time, in place (formats.py, ROWS_X8): where the products
         take int8 inputs."""
         return PackedWeight(

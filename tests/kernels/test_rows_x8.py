@@ -1,4 +1,4 @@
-"""Q8_0 and K-type weights (Q4_K, Q5_K, Q6_K) with their rows regrouped eight at a time
+"""Weights of every type but Q5_0 with their rows regrouped eight at a time
 (kernels/cpu/src/rows_x8.h, formats.py ROWS_X8), every version this CPU executes: the same
 bytes moved, and every kernel that reads a weight gives each output the same bits from them as
 from the rows as stored: the int8 products (eight rows in the lanes for up to 16 input rows;
@@ -29,7 +29,7 @@ def regrouped(kernels: KernelSet, weight: Blocks) -> Blocks:
     return ops.regroup_rows_x8(kernels, copy)
 
 
-KINDS = [WeightType.Q8_0, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K]
+KINDS = [t for t in WeightType if t != WeightType.Q5_0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -46,9 +46,9 @@ def test_regrouping_moves_the_bytes_and_back(cpu: KernelSet, kind: WeightType) -
     assert status == 0 and torch.equal(x8.data, weight.data)
 
 
-def test_only_k_types_of_whole_groups_are_regrouped(cpu: KernelSet) -> None:
+def test_every_type_but_q5_0_is_regrouped_in_whole_groups(cpu: KernelSet) -> None:
     gen = torch.Generator().manual_seed(2)
-    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q4_1, 16), (WeightType.Q5_0, 16)):
+    for kind, rows in ((WeightType.Q4_K, 12), (WeightType.Q4_0, 4), (WeightType.Q5_0, 16)):
         weight = random_blocks(kind, rows, 256, gen)
         with pytest.raises(ValueError):
             ops.regroup_rows_x8(cpu, weight)
@@ -67,10 +67,10 @@ def test_only_k_types_of_whole_groups_are_regrouped(cpu: KernelSet) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 40])
 def test_the_int8_products_are_the_same_bits(int8: KernelSet, kind: WeightType, rows: int) -> None:
     # up to 16 rows: eight weight rows in the lanes, four input rows at a time; more: side by
-    # side, each weight row read back as stored first. Q8_0's rows end in a part chunk of
-    # blocks (three of eight).
+    # side, each weight row read back as stored first. The rows of 32-weight blocks end in a
+    # part chunk (three blocks of eight).
     gen = torch.Generator().manual_seed(rows)
-    k = 1024 + (96 if kind == WeightType.Q8_0 else 0)
+    k = 1024 + (0 if kind in (WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K) else 96)
     weight = random_blocks(kind, 32, k, gen)
     x8 = regrouped(int8, weight)
     x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, k)
@@ -86,7 +86,7 @@ def test_any_split_of_the_rows_is_the_same_bits(
     gen = torch.Generator().manual_seed(10 + rows)
     weight = random_blocks(kind, 48, 512, gen)
     x8 = regrouped(int8, weight)
-    v = random_blocks(WeightType.Q4_1, 16, 512, gen)  # a fused projection's other part
+    v = random_blocks(WeightType.Q5_0, 16, 512, gen)  # a fused projection's other part
     x = torch.randn(rows, 512, generator=gen)
     want = ops.gemv_threads(int8, [weight, v], x, 1)
     for threads in (1, 2, 3, 7):

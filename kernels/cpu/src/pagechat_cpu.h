@@ -9,8 +9,8 @@
 
    Weights are GGUF blocks exactly as a GGUF file stores them (ggml's block layouts, fp16
    scales and mins as stored): a weight [n, k] is n rows of k / block_elements(type) blocks;
-   or, for the int8 products, Q8_0's and the K types' same bytes with their rows regrouped
-   eight at a time (PC_Q8_0_X8, PC_Q4_K_X8, PC_Q5_K_X8, PC_Q6_K_X8: rows_x8.h). */
+   or, for the int8 products, the same bytes with the rows of a type but Q5_0 regrouped eight
+   at a time (PC_ROWS_X8 | the type: rows_x8.h). */
 #ifndef PAGECHAT_CPU_H
 #define PAGECHAT_CPU_H
 
@@ -25,9 +25,11 @@ enum {
     PC_Q4_K = 12,
     PC_Q5_K = 13,
     PC_Q6_K = 14,
-    /* Q8_0, Q4_K, Q5_K and Q6_K with their rows regrouped eight at a time for the int8
-       products (rows_x8.h) */
+    /* Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K with their rows regrouped eight at a time for
+       the int8 products (rows_x8.h) */
     PC_ROWS_X8 = 0x100,
+    PC_Q4_0_X8 = PC_ROWS_X8 | PC_Q4_0,
+    PC_Q4_1_X8 = PC_ROWS_X8 | PC_Q4_1,
     PC_Q8_0_X8 = PC_ROWS_X8 | PC_Q8_0,
     PC_Q4_K_X8 = PC_ROWS_X8 | PC_Q4_K,
     PC_Q5_K_X8 = PC_ROWS_X8 | PC_Q5_K,
@@ -183,7 +185,9 @@ static inline const float *pc_q8_sums16(const uint8_t *row, int64_t k) {
 static inline int64_t pc_block_elements(int64_t type) {
     switch (type) {
     case PC_Q4_0:
+    case PC_Q4_0_X8:
     case PC_Q4_1:
+    case PC_Q4_1_X8:
     case PC_Q5_0:
     case PC_Q8_0:
     case PC_Q8_0_X8: return 32;
@@ -199,8 +203,10 @@ static inline int64_t pc_block_elements(int64_t type) {
 
 static inline int64_t pc_block_bytes(int64_t type) {
     switch (type) {
-    case PC_Q4_0: return 18;
-    case PC_Q4_1: return 20;
+    case PC_Q4_0:
+    case PC_Q4_0_X8: return 18;
+    case PC_Q4_1:
+    case PC_Q4_1_X8: return 20;
     case PC_Q5_0: return 22;
     case PC_Q8_0:
     case PC_Q8_0_X8: return 34;

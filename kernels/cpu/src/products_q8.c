@@ -191,7 +191,7 @@ DEFINE_ROW(q4_k, 8, 144, DOT_U, OFFSETS_32)
 DEFINE_ROW(q5_k, 8, 176, DOT_U, OFFSETS_32)
 DEFINE_ROW(q6_k, 8, 210, DOT_SCALED, OFFSETS_16)
 
-/* ---- Q8_0 and K-quants with eight rows in the lanes (rows_x8.h) ----------------------------- */
+/* ---- weights with eight rows in the lanes (rows_x8.h) ------------------------------------- */
 #define FEW_ROWS 4 /* up to this many input rows a row at a time; more, side by side */
 /* Up to this many input rows, a regrouped weight's groups take them four at a time; more,
    side by side (each weight row read back as stored) */
@@ -207,21 +207,25 @@ static inline v8 lane_bytes(v8i packed, int at) {
     return v8_from_ints(v8i_and(v8i_shr(packed, 8 * at), 0xFF));
 }
 
-/* Each input row's eight accumulators, lane l of the row path's, zero */
-static inline __attribute__((always_inline)) void x8_start(v8 acc[4][CHUNK], const int R) {
-    for (int r = 0; r < R; r++)
+/* Each input row's eight accumulators (lane l of the row path's) and its tail (the row path's
+   part chunk's offsets), zero */
+static inline __attribute__((always_inline)) void x8_start(v8 acc[4][CHUNK], v8 tail[4],
+                                                           const int R) {
+    for (int r = 0; r < R; r++) {
         for (int l = 0; l < CHUNK; l++)
             acc[r][l] = v8_zero();
+        tail[r] = v8_zero();
+    }
 }
 
 /* Each input row's outputs, its eight rows', to y + r ldy: the accumulators summed in v8_sum's
-   tree, lane by lane, plus the row path's tail (empty: + 0, as it adds it) */
-static inline __attribute__((always_inline)) void x8_finish(v8 acc[4][CHUNK], const int R, float *y,
-                                                            int64_t ldy) {
+   tree, lane by lane, plus the tail, as the row path ends */
+static inline __attribute__((always_inline)) void x8_finish(v8 acc[4][CHUNK], const v8 tail[4],
+                                                            const int R, float *y, int64_t ldy) {
     for (int r = 0; r < R; r++) {
         const v8 even = v8_add(v8_add(acc[r][0], acc[r][4]), v8_add(acc[r][2], acc[r][6]));
         const v8 odd = v8_add(v8_add(acc[r][1], acc[r][5]), v8_add(acc[r][3], acc[r][7]));
-        v8_store(y + r * ldy, v8_add(v8_add(even, odd), v8_zero()));
+        v8_store(y + r * ldy, v8_add(v8_add(even, odd), tail[r]));
     }
 }
 
@@ -238,8 +242,8 @@ static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *grou
                                                              const int fifth) {
     const int64_t block_bytes = fifth ? X8_Q5_K_BLOCK : X8_Q4_K_BLOCK;
     const int64_t qs_at = fifth ? X8_Q5_K_QS : X8_Q4_K_QS;
-    v8 acc[4][CHUNK];
-    x8_start(acc, R);
+    v8 acc[4][CHUNK], tail[4];
+    x8_start(acc, tail, R);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *g = group + b * block_bytes;
         const v8 d = v8_from_fp16x8(g + X8_Q4_K_D);
@@ -274,7 +278,7 @@ static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *grou
             }
         }
     }
-    x8_finish(acc, R, y, ldy);
+    x8_finish(acc, tail, R, y, ldy);
 }
 
 static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
@@ -298,8 +302,8 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
                                                                 const uint8_t *x, int64_t ldx,
                                                                 float *y, int64_t ldy,
                                                                 const int R) {
-    v8 acc[4][CHUNK];
-    x8_start(acc, R);
+    v8 acc[4][CHUNK], tail[4];
+    x8_start(acc, tail, R);
     for (int64_t b = 0; b < k / 256; b++) {
         const uint8_t *g = group + b * X8_Q6_K_BLOCK, *scales = g + X8_Q6_K_SCALES;
         prefetch_span(g + X8_PREFETCH_BLOCKS * X8_Q6_K_BLOCK, X8_Q6_K_BLOCK);
@@ -331,7 +335,68 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
             }
         }
     }
-    x8_finish(acc, R, y, ldy);
+    x8_finish(acc, tail, R, y, ldy);
+}
+
+/* The eight rows of a PC_Q4_0_X8 `group` (`with_m`: PC_Q4_1_X8) against R <= 4 input rows, as
+   group_q4_k_x8: lane l of the row path's accumulators (row_q4_0, row_q4_1) is acc[r][l],
+   block 8 c + l's exact total times d d_x, then its offset (-8 d, or m) times d_x sum(q); a
+   row's last, part chunk adds 0 * 0 in its missing lanes and its offsets one by one into
+   the tail, as the row path does. */
+static inline __attribute__((always_inline)) void group_legacy_x8(const uint8_t *group, int64_t k,
+                                                                  const uint8_t *x, int64_t ldx,
+                                                                  float *y, int64_t ldy,
+                                                                  const int R, const int with_m) {
+    const int64_t block_bytes = with_m ? X8_Q4_1_BLOCK : X8_Q4_0_BLOCK, qs_at = with_m ? 32 : 16;
+    v8 acc[4][CHUNK], tail[4];
+    x8_start(acc, tail, R);
+    const int64_t blocks = k / 32;
+    for (int64_t first = 0; first < blocks; first += CHUNK) {
+        const int whole = blocks - first >= CHUNK;
+        for (int l = 0; l < CHUNK; l++) {
+            const int64_t b = first + l;
+            if (b >= blocks) {
+                for (int r = 0; r < R; r++)
+                    acc[r][l] = v8_fma_ints(v8i_zero(), v8_zero(), acc[r][l]);
+                continue;
+            }
+            const uint8_t *g = group + b * block_bytes;
+            const v8 d = v8_from_fp16x8(g);
+            const v8 offset = with_m ? v8_from_fp16x8(g + 16) : v8_mul(d, v8_set1(-8.0f));
+            q32 u[8];
+            for (int t = 0; t < 4; t++) {
+                u[t] = nibbles_32(g + qs_at + 32 * t, 0);     /* weights 4 t .. */
+                u[4 + t] = nibbles_32(g + qs_at + 32 * t, 1); /* and 16 + 4 t .. */
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xr = x + r * ldx, *xs = xr + 32 * b;
+                v8i total = v8i_zero();
+                for (int t = 0; t < 4; t++) {
+                    total = dot_u_add(total, u[t], q_set1_32(xs + 4 * t));
+                    total = dot_u_add(total, u[4 + t], q_set1_32(xs + 16 + 4 * t));
+                }
+                const float dx = pc_q8_scales(xr, k)[b], sum = pc_q8_sums32(xr, k)[b];
+                acc[r][l] = v8_fma_ints(total, v8_mul(d, v8_set1(dx)), acc[r][l]);
+                if (whole)
+                    acc[r][l] = v8_fma(offset, v8_set1(sum), acc[r][l]);
+                else
+                    tail[r] = v8_add(tail[r], v8_mul(offset, v8_set1(sum)));
+            }
+        }
+    }
+    x8_finish(acc, tail, R, y, ldy);
+}
+static inline __attribute__((always_inline)) void group_q4_0_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    group_legacy_x8(group, k, x, ldx, y, ldy, R, 0);
+}
+static inline __attribute__((always_inline)) void group_q4_1_x8(const uint8_t *group, int64_t k,
+                                                                const uint8_t *x, int64_t ldx,
+                                                                float *y, int64_t ldy,
+                                                                const int R) {
+    group_legacy_x8(group, k, x, ldx, y, ldy, R, 1);
 }
 
 /* The eight rows of a PC_Q8_0_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
@@ -341,8 +406,8 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
                                                                 const uint8_t *x, int64_t ldx,
                                                                 float *y, int64_t ldy,
                                                                 const int R) {
-    v8 acc[4][CHUNK];
-    x8_start(acc, R);
+    v8 acc[4][CHUNK], tail[4];
+    x8_start(acc, tail, R);
     const int64_t blocks = k / 32;
     for (int64_t first = 0; first < blocks; first += CHUNK) {
         for (int l = 0; l < CHUNK; l++) {
@@ -367,7 +432,7 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
             }
         }
     }
-    x8_finish(acc, R, y, ldy);
+    x8_finish(acc, tail, R, y, ldy);
 }
 
 /* a regrouped group against m input rows, four at a time */
@@ -386,6 +451,8 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
             }                                                                                      \
         }                                                                                          \
     }
+GROUP_ROWS(q4_0_x8)
+GROUP_ROWS(q4_1_x8)
 GROUP_ROWS(q8_0_x8)
 GROUP_ROWS(q4_k_x8)
 GROUP_ROWS(q5_k_x8)
@@ -399,7 +466,11 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
     for (int64_t j = n_begin; j < n_end;) {
         if (j % X8_ROWS == 0 && n_end - j >= X8_ROWS) {
             const uint8_t *group = w + j * row_bytes;
-            if (type == PC_Q8_0_X8)
+            if (type == PC_Q4_0_X8)
+                group_rows_q4_0_x8(group, k, x, m, y + j, ldy);
+            else if (type == PC_Q4_1_X8)
+                group_rows_q4_1_x8(group, k, x, m, y + j, ldy);
+            else if (type == PC_Q8_0_X8)
                 group_rows_q8_0_x8(group, k, x, m, y + j, ldy);
             else if (type == PC_Q4_K_X8)
                 group_rows_q4_k_x8(group, k, x, m, y + j, ldy);
@@ -414,7 +485,11 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
         for (int64_t r = 0; r < m; r += FEW_ROWS) {
             const int64_t R = m - r < FEW_ROWS ? m - r : FEW_ROWS;
             const uint8_t *xr = x + r * pc_q8_row_bytes(k);
-            if (type == PC_Q8_0_X8)
+            if (type == PC_Q4_0_X8)
+                row_q4_0(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+            else if (type == PC_Q4_1_X8)
+                row_q4_1(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
+            else if (type == PC_Q8_0_X8)
                 row_q8_0(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);
             else if (type == PC_Q4_K_X8)
                 row_q4_k(row, row_bytes, xr, k, y + r * ldy + j, ldy, R);

@@ -1,11 +1,13 @@
-/* Q8_0 and K-quant weights regrouped eight rows at a time (PC_Q8_0_X8, PC_Q4_K_X8,
-   PC_Q5_K_X8, PC_Q6_K_X8): the int8 products' layout.
+/* Weights regrouped eight rows at a time (PC_ROWS_X8 | Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K):
+   the int8 products' layout.
 
    A weight's rows in groups of eight (n a multiple of 8), each group the eight rows' bytes
    (8 row_bytes) in the same place the stored rows would take, so a row's group is at
    w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each, Q8_0's
    32) takes eight blocks' bytes at b * 8 * block_bytes. Q8_0's (X8_Q8_0_BLOCK): d of rows 0-7
    (fp16) at [0, 16), then the int8 weights as Q4_K's nibbles below, one run at [16, 272).
+   Q4_0's and Q4_1's: d of rows 0-7 at [0, 16) (Q4_1: their m at [16, 32)), then the 16 bytes
+   of nibbles of each row as half a run (t < 4), at 16 (Q4_1: 32).
    Q4_K's (X8_Q4_K_BLOCK):
 
        [0, 16)      d of rows 0-7 (fp16)            [16, 32)   dmin of rows 0-7
@@ -35,6 +37,8 @@
 #include "pagechat_cpu.h"
 
 #define X8_ROWS 8
+#define X8_Q4_0_BLOCK (X8_ROWS * 18)
+#define X8_Q4_1_BLOCK (X8_ROWS * 20)
 #define X8_Q8_0_BLOCK (X8_ROWS * 34)
 #define X8_Q8_0_QS 16
 #define X8_Q4_K_BLOCK (X8_ROWS * 144)
@@ -61,22 +65,32 @@ static inline void x8_move(uint8_t *g, int64_t at_group, uint8_t *s, int64_t at_
 }
 
 /* runs of 32 stored bytes at `row_at` (`runs` of them) in the four-bytes-a-row layout at
-   `group_at`, for row r */
-static inline void x8_move_runs(uint8_t *g, int64_t group_at, uint8_t *s, int64_t row_at, int runs,
-                                int r, int to_group) {
+   `group_at`, for row r (`quads` four-byte pieces a run: 8, or 4 for a run of 16) */
+static inline void x8_move_quads(uint8_t *g, int64_t group_at, uint8_t *s, int64_t row_at, int runs,
+                                 int quads, int r, int to_group) {
     for (int p = 0; p < runs; p++)
-        for (int t = 0; t < 8; t++)
+        for (int t = 0; t < quads; t++)
             x8_move(g, group_at + 256 * p + 32 * t + 4 * r, s, row_at + 32 * p + 4 * t, 4,
                     to_group);
 }
+static inline void x8_move_runs(uint8_t *g, int64_t group_at, uint8_t *s, int64_t row_at, int runs,
+                                int r, int to_group) {
+    x8_move_quads(g, group_at, s, row_at, runs, 8, r, to_group);
+}
 
-/* Row r (< 8) of the group at `group` (blocks of 256 weights each), as stored, to `row`;
-   with `to_group` the other way, from `row` into the group. `type`: PC_Q8_0, PC_Q4_K,
-   PC_Q5_K or PC_Q6_K; `blocks` of its own. */
+/* Row r (< 8) of the group at `group` (blocks of its type's weights), as stored, to `row`;
+   with `to_group` the other way, from `row` into the group. `type`: PC_Q4_0, PC_Q4_1,
+   PC_Q8_0, PC_Q4_K, PC_Q5_K or PC_Q6_K. */
 static inline void x8_move_row(int64_t type, uint8_t *group, int64_t blocks, int r, uint8_t *row,
                                int to_group) {
     for (int64_t b = 0; b < blocks; b++) {
-        if (type == PC_Q8_0) {
+        if (type == PC_Q4_0 || type == PC_Q4_1) { /* d (and m), then 16 bytes of nibbles */
+            const int64_t bytes = pc_block_bytes(type), scales = type == PC_Q4_0 ? 1 : 2;
+            uint8_t *g = group + b * X8_ROWS * bytes, *s = row + b * bytes;
+            for (int64_t i = 0; i < scales; i++)
+                x8_move(g, 16 * i + 2 * r, s, 2 * i, 2, to_group);
+            x8_move_quads(g, 16 * scales, s, 2 * scales, 1, 4, r, to_group);
+        } else if (type == PC_Q8_0) {
             uint8_t *g = group + b * X8_Q8_0_BLOCK, *s = row + b * 34;
             x8_move(g, 2 * r, s, 0, 2, to_group);
             x8_move_runs(g, X8_Q8_0_QS, s, 2, 1, r, to_group);

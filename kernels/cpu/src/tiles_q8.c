@@ -359,6 +359,12 @@ int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const
     case PC_Q4_K_X8:
         return tiles(lay_out_q4_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
                      type);
+    case PC_Q4_0_X8:
+        return tiles(lay_out_q4_0, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
+                     type);
+    case PC_Q4_1_X8:
+        return tiles(lay_out_q4_1, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
+                     type);
     case PC_Q8_0_X8:
         return tiles(lay_out_q8_0, TILE_S, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
                      type);
