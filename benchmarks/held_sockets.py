@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = [t for t in times if t is not None]
         slowest = f"{max(ok):.2f} s" if ok else "-"
         print(f"  {name}: {len(ok)} / {len(times)} answered, slowest {slowest}")
-    print(f"  held sockets the server closed (408 or pushed out): {held.closed} / {opts.sockets}")
+    closed = f"{held.closed} / {opts.sockets}"
+    print(f"  held sockets the server closed (reset, 408 or pushed out): {closed}")
     text = held.log
     print(f"  log: {text.count(chr(10))} lines, {len(text.encode()) / 1024:.0f} KiB; 'Too many "
           f"open files': {text.count('Too many open files')}")  # fmt: skip

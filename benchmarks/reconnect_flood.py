@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(opts.sockets, opts.nofile, opts.seconds, opts.probes, sources, opts.server_args)
     f = result.flood
-    print(f"{opts.sockets} reconnecting half-open sockets from {opts.sources} for"
-          f" {f.seconds:.0f} s, server nofile {opts.nofile}")  # fmt: skip
+    clients = sources[0] if len(sources) == 1 else f"{len(sources)} addresses ({sources[0]}...)"
+    print(f"{opts.sockets} reconnecting half-open sockets from {clients} for {f.seconds:.0f} s,"
+          f" server nofile {opts.nofile}")  # fmt: skip
     print(f"  flood: {f.opened:,} connects ({f.opened / f.seconds:,.0f}/s), {f.held:,} held half a"
           f" handshake, {f.ended_by_server:,} ended by the server, {f.connect_failed:,} failed"
           f" otherwise")  # fmt: skip
