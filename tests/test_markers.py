@@ -71,6 +71,12 @@ IN_PROCESS = {
         "cli.main for `generate`: only `serve` starts a Redis",
     "tests.test_cli.test_a_penalty_out_of_range_is_refused_in_one_line_before_loading":
         "cli.main for `generate`: only `serve` starts a Redis",
+    "tests.test_cli.test_the_sampling_flags_and_defaults_are_the_terminal_clients":
+        "cli.main for `generate`: only `serve` starts a Redis",
+    "tests.test_cli.test_a_max_tokens_the_context_cannot_hold_is_refused_as_the_server_refuses_it":
+        "cli.main for `generate`: only `serve` starts a Redis",
+    "tests.api.openai.test_unknown_fields.client":
+        "a Hub on REDIS_URL: only one without a Redis URL starts the embedded Redis",
 }  # fmt: skip
 
 
