@@ -5,8 +5,9 @@ bandwidth.
 Each weight is `--mib` of random blocks (past the last-level cache, so it streams from memory),
 [n, `--k`]; one input row. Per type and kernel version: GB/s of weight bytes read a product,
 the best of `--repeats` (after one untimed), stored and regrouped taken in turn; and the read
-bandwidth of torch's `sum` over as many bytes on one thread (best of five). One thread: the
-decode stack's threads split these rows, so a thread's rate is what each of them brings.
+bandwidth of torch's `sum` over 1 GiB (or the weight's size, if more) on one thread (best of
+five). One thread: the decode stack's threads split these rows, so a thread's rate is what
+each of them brings.
 
     .venv/bin/python -m benchmarks.weight_layouts [--cpu-isa auto avx2 generic] [--mib 128]
         [--types Q4_0 Q8_0 Q4_K Q5_K Q6_K] [--json results/weight_layouts.json]
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    bandwidth = read_bandwidth(args.mib << 20)
+    bandwidth = read_bandwidth(max(args.mib, 1024) << 20)  # 1 GiB at least, as engine_step
     rows: list[dict[str, Any]] = []
     for isa in args.cpu_isa:
         chosen = dispatch.select(isa, "int8")
