@@ -21,7 +21,9 @@ waits seconds for an answer or gets none (issue 39). `GuardedListener.accept` de
   connections already open are served in between;
 - one spare descriptor is held for EMFILE all the same (the process may open files of its own
   past the reserve): it is given up to accept the next connection, which is then judged as one
-  in the reserve, instead of asyncio's second without accepting.
+  in the reserve, instead of asyncio's second without accepting; with the spare gone, the one
+  waiting longest is pushed out to make room for the next turn, and only with none waiting
+  does asyncio get the error (and wait its second).
 Each reset is counted in the `ConnectionLog`, not logged one by one.
 """
 
@@ -37,7 +39,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from service.server.connection_log import ConnectionLog
 from service.server.http_guard import RESET, Waiting
@@ -161,6 +163,7 @@ class GuardedListener(socket.socket):
     _spare: int | None = None
     _seen = 0  # connections accepted (kept or reset) in this turn of the loop
     _turn_ends: asyncio.Handle | None = None
+    _told_out_of_files = False  # in this turn
 
     def accept(self) -> tuple[socket.socket, Any]:
         if self._turn_ends is None:
@@ -182,21 +185,34 @@ class GuardedListener(socket.socket):
 
     def _accept_one(self) -> tuple[int, Any, bool]:
         """The next connection's descriptor and peer, and whether the spare was given up for
-        it; BlockingIOError when none is waiting."""
+        it; BlockingIOError when none is waiting, or none can be taken in this turn."""
         try:
             fd, peer = self._accept()  # type: ignore[attr-defined]
             return fd, peer, False
         except OSError as exc:
-            if exc.errno not in _OUT_OF_FILES or self._spare is None:
-                raise  # EMFILE without a spare: asyncio logs it and waits a second
+            if exc.errno not in _OUT_OF_FILES:
+                raise
+            if self._spare is None:
+                self._out_of_files()
         os.close(self._spare)
         self._spare = None
         fd, peer = self._accept()  # type: ignore[attr-defined]
         return fd, peer, True
 
+    def _out_of_files(self) -> NoReturn:
+        """EMFILE with the spare given up already. NOTE: asyncio's accept loop (3.11) goes on
+        calling accept() after an EMFILE, logging each and setting a timer each to accept
+        again a second later; so it is told once per turn, and not at all while a connection
+        waiting for its headers can be pushed out to make room for the next turn."""
+        if self.policy.waiting.push_out_oldest() or self._told_out_of_files:
+            raise BlockingIOError
+        self._told_out_of_files = True
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))  # it waits a second
+
     def _next_turn(self) -> None:
         self._seen = 0
         self._turn_ends = None
+        self._told_out_of_files = False
 
     def close(self) -> None:
         if self._spare is not None:
