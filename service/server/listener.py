@@ -9,8 +9,8 @@ waits seconds for an answer or gets none (issue 39). `GuardedListener.accept` de
 
 - a client address may have `max_pending_per_address` connections waiting for their headers
   (service/server/http_guard.py `Waiting`); one more is reset (RST: no TIME_WAIT left behind)
-  as it is accepted, costing a few microseconds and no task. Peers in `trusted_proxies` and a
-  Unix socket's are exempt: each stands for many clients;
+  as it is accepted, costing an accept() and a close() and no task. Peers in `trusted_proxies`
+  and a Unix socket's are exempt: each stands for many clients;
 - the last `fd_reserve` descriptors of the process's open-file limit are kept back
   (`OpenFiles` counts what is held): a connection accepted into them is kept only if the
   connection that has waited longest for its headers can be pushed out for it, else it is
