@@ -80,8 +80,8 @@ class Limits:
         64,
         "connections one client address may have waiting for their headers at once (as"
         " `header_timeout_s` counts them); one more is reset as it is accepted, before any"
-        " other work. Peers in `trusted_proxies` are exempt, and `uds` has no such cap"
-        " (service/server/listener.py)",
+        " other work, unless its request's headers have all arrived. Peers in"
+        " `trusted_proxies` are exempt, and `uds` has no such cap (service/server/listener.py)",
     )
     fd_reserve: int = setting(
         128,

@@ -9,8 +9,10 @@ waits seconds for an answer or gets none (issue 39). `GuardedListener.accept` de
 
 - a client address may have `max_pending_per_address` connections waiting for their headers
   (service/server/http_guard.py `Waiting`); one more is reset (RST: no TIME_WAIT left behind)
-  as it is accepted, costing an accept() and a close() and no task. Peers in `trusted_proxies`
-  and a Unix socket's are exempt: each stands for many clients;
+  as it is accepted, costing an accept(), a peek and a close() and no task, unless its
+  request's headers are in already (a burst of clients that send their requests at once, or
+  /health from behind the same NAT as a flood, still gets in). Peers in `trusted_proxies` and
+  a Unix socket's are exempt: each stands for many clients;
 - the last `fd_reserve` descriptors of the process's open-file limit are kept back
   (`OpenFiles` counts what is held): a connection accepted into them is kept only if the
   connection that has waited longest for its headers can be pushed out for it, else it is
@@ -45,6 +47,7 @@ from service.server.connection_log import ConnectionLog
 from service.server.http_guard import RESET, Waiting
 
 ACCEPTS_PER_TURN = 64
+HEADERS_PEEKED = 8192  # bytes looked at for a request's end of headers (h11's own cap: 16 KiB)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
@@ -144,7 +147,11 @@ class AcceptPolicy:
     def judge(self, fd: int, address: str, *, low: bool) -> str | None:
         """None: keep the connection just accepted on `fd` from `address` (counted as waiting);
         else why it is reset. `low`: accepted on the spare's descriptor."""
-        if self.waiting.of(address) >= self.max_pending_per_address and self.capped(address):
+        if (
+            self.waiting.of(address) >= self.max_pending_per_address
+            and self.capped(address)
+            and not headers_in(fd)
+        ):
             return (
                 f"reset as accepted (the address had {self.max_pending_per_address}"
                 " connections waiting for their headers)"
@@ -153,6 +160,19 @@ class AcceptPolicy:
             return "reset as accepted (file descriptors low, none waiting for headers to push out)"
         self.waiting.accepted(fd, address)
         return None
+
+
+def headers_in(fd: int) -> bool:
+    """Whether the connection on `fd` has a request's headers in full in its receive buffer,
+    read without taking them (MSG_PEEK): a client that sends its request at once."""
+    probe = socket.socket(fileno=fd)
+    try:
+        head = probe.recv(HEADERS_PEEKED, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing yet (EAGAIN), or reset
+        head = b""
+    finally:
+        probe.detach()
+    return b"\r\n\r\n" in head
 
 
 class GuardedListener(socket.socket):

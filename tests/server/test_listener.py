@@ -143,6 +143,22 @@ async def test_an_address_past_its_cap_is_reset_as_accepted_while_others_get_in(
     assert counted(caplog, "reset as accepted (the address had 4 connections waiting") == 3
 
 
+async def test_past_its_cap_a_request_whose_headers_are_in_as_it_is_accepted_is_answered(
+    gate: Gate,
+) -> None:
+    held = [await half_open(gate.port) for _ in range(CAP)]
+    # Connected and sent while the loop waits (blocking calls): all in before accept().
+    sock = socket.create_connection(("127.0.0.1", gate.port), source_address=(FLOODER, 0))
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    reader, writer = await asyncio.open_connection(sock=sock)
+    assert (await asyncio.wait_for(reader.read(), 30)).startswith(b"HTTP/1.1 200 ")
+    writer.close()
+    assert await turned_away(gate.port)  # half a request is not
+    assert all(still_open(r) for r, _ in held)
+    for _, w in held:
+        w.close()
+
+
 async def test_a_finished_request_frees_its_place_under_the_cap(gate: Gate) -> None:
     held = [await half_open(gate.port) for _ in range(CAP)]
     first_reader, first_writer = held[0]
