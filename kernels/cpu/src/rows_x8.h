@@ -131,4 +131,75 @@ static inline void x8_row(int64_t type, const uint8_t *w, int64_t row_bytes, int
     x8_move_row(stored, group, row_bytes / pc_block_bytes(stored), (int)(j % X8_ROWS), row, 0);
 }
 
+/* The eight rows of a regrouped weight's group at `group` (of `type`), as stored, to out
+   (8 rows of row_bytes): x8_move_row's bytes, each run's 8 x 8 four-byte pieces transposed in
+   vectors (GCC's vector extension: shuffles on every target), not moved four bytes at a time
+   (a third of the time a row read back on its own takes). */
+typedef uint32_t x8_quads __attribute__((vector_size(32)));
+
+static inline void x8_transpose_run(const uint8_t *from, uint8_t *to, int64_t row_bytes) {
+    x8_quads q[8], t[8];
+    for (int i = 0; i < 8; i++)
+        memcpy(&q[i], from + 32 * i, 32); /* piece i of each row */
+    const x8_quads lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    for (int i = 0; i < 8; i += 2) { /* pairs of rows */
+        t[i] = __builtin_shuffle(q[i], q[i + 1], lo);
+        t[i + 1] = __builtin_shuffle(q[i], q[i + 1], hi);
+    }
+    const x8_quads lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            q[i + h] = __builtin_shuffle(t[i + h], t[i + h + 2], lo2);
+            q[i + h + 2] = __builtin_shuffle(t[i + h], t[i + h + 2], hi2);
+        }
+    const x8_quads lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    for (int h = 0; h < 4; h++) {
+        t[h] = __builtin_shuffle(q[h], q[h + 4], lo4);
+        t[h + 4] = __builtin_shuffle(q[h], q[h + 4], hi4);
+    }
+    /* t[h] holds rows {0, 4} x {0, 2, 1, 3}[h]'s order: row r is t[index of r] */
+    static const int row_of[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int h = 0; h < 8; h++)
+        memcpy(to + row_of[h] * row_bytes, &t[h], 32);
+}
+
+static inline void x8_group_rows(int64_t type, const uint8_t *group, int64_t row_bytes,
+                                 uint8_t *out) {
+    const int64_t stored = x8_stored_type(type), bytes = pc_block_bytes(stored);
+    const int64_t blocks = row_bytes / bytes;
+    int64_t runs_at = 0, runs = 0, row_at = 0; /* the block's whole runs of 32 */
+    if (stored == PC_Q8_0)
+        runs_at = X8_Q8_0_QS, runs = 1, row_at = 2;
+    else if (stored == PC_Q4_K)
+        runs_at = X8_Q4_K_QS, runs = 4, row_at = 16;
+    else if (stored == PC_Q5_K)
+        runs_at = X8_Q5_K_QH, runs = 5, row_at = 16; /* qh then qs, in order both ways */
+    else if (stored == PC_Q6_K)
+        runs_at = X8_Q6_K_QL, runs = 6, row_at = 0; /* ql then qh, likewise */
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *g = (uint8_t *)group + b * X8_ROWS * bytes;
+        for (int p = 0; p < runs; p++)
+            x8_transpose_run(g + runs_at + 256 * p, out + b * bytes + row_at + 32 * p, row_bytes);
+        for (int r = 0; r < X8_ROWS; r++) { /* the rest, four bytes at a time */
+            uint8_t *s = out + r * row_bytes + b * bytes;
+            if (runs == 0) { /* Q4_0, Q4_1: half runs */
+                x8_move_row(stored, g, 1, r, s, 0);
+                continue;
+            }
+            if (stored == PC_Q8_0) {
+                x8_move(g, 2 * r, s, 0, 2, 0);
+            } else if (stored == PC_Q6_K) {
+                x8_move(g, X8_Q6_K_D + 2 * r, s, 208, 2, 0);
+                for (int h = 0; h < 16; h++)
+                    x8_move(g, X8_Q6_K_SCALES + 8 * h + r, s, 192 + h, 1, 0);
+            } else {
+                x8_move(g, X8_Q4_K_D + 2 * r, s, 0, 2, 0);
+                x8_move(g, X8_Q4_K_DMIN + 2 * r, s, 2, 2, 0);
+                for (int w = 0; w < 3; w++)
+                    x8_move(g, X8_Q4_K_SCALES + 4 * (8 * w + r), s, 4 + 4 * w, 4, 0);
+            }
+        }
+    }
+}
+
 #endif

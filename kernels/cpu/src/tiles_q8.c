@@ -308,26 +308,34 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
     }
 }
 
-/* `x8`: the weight is regrouped (its type, rows_x8.h), each row taken back to its stored
-   bytes first; 0 where it is not */
+/* `x8`: the weight is regrouped (its type, rows_x8.h), each group of rows taken back to its
+   stored bytes first (x8_group_rows); 0 where it is not */
 static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
                      const uint8_t *inputs, int64_t m, int64_t k, float *y, int64_t ldy,
                      int64_t n_begin, int64_t n_end, int64_t x8) {
     const int64_t subs = k / 32, vectors = (m + VR - 1) / VR;
     const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
     const int64_t vector_bytes = side_by_side_bytes(k);
-    uint8_t *buf = malloc((size_t)(TJ * stride + (x8 ? row_bytes : 0)));
+    uint8_t *buf = malloc((size_t)(TJ * stride + (x8 ? X8_ROWS * row_bytes : 0)));
     if (buf == NULL)
         return PC_NO_MEMORY;
-    uint8_t *stored = buf + TJ * stride;
+    uint8_t *stored = buf + TJ * stride; /* x8: the group `group`'s rows as stored */
+    int64_t group = -1;
     for (int64_t j = n_begin; j < n_end; j += TJ) {
         const int J = n_end - j < TJ ? (int)(n_end - j) : TJ;
         laid_out rows[TJ];
         for (int i = 0; i < J; i++) {
             const uint8_t *row = w + (j + i) * row_bytes;
             if (x8) {
-                x8_row(x8, w, row_bytes, j + i, stored);
-                row = stored;
+                if ((j + i) / X8_ROWS != group) {
+                    group = (j + i) / X8_ROWS;
+                    x8_group_rows(x8, w + group * X8_ROWS * row_bytes, row_bytes, stored);
+                    /* the lay-out's prefetch reads the copy: the group two ahead, here */
+                    const uint8_t *ahead = w + (group + 2) * X8_ROWS * row_bytes;
+                    for (int64_t at = 0; at < X8_ROWS * row_bytes; at += 64)
+                        __builtin_prefetch(ahead + at);
+                }
+                row = stored + (j + i) % X8_ROWS * row_bytes;
             }
             lay_out(row, row_bytes, subs, buf + i * stride);
             rows[i] = laid_out_at(buf + i * stride, subs);
