@@ -3,11 +3,11 @@
 
    A weight's rows in groups of eight (n a multiple of 8), each group the eight rows' bytes
    (8 row_bytes) in the same place the stored rows would take, so a row's group is at
-   w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each, Q8_0's
-   32) takes eight blocks' bytes at b * 8 * block_bytes. Q8_0's (X8_Q8_0_BLOCK): d of rows 0-7
-   (fp16) at [0, 16), then the int8 weights as Q4_K's nibbles below, one run at [16, 272).
-   Q4_0's and Q4_1's: d of rows 0-7 at [0, 16) (Q4_1: their m at [16, 32)), then the 16 bytes
-   of nibbles of each row as half a run (t < 4), at 16 (Q4_1: 32).
+   w + (j / 8) * 8 * row_bytes. In a group, block b of every row (256 weights each; 32 for
+   Q4_0, Q4_1 and Q8_0) takes eight blocks' bytes at b * 8 * block_bytes. Q8_0's
+   (X8_Q8_0_BLOCK): d of rows 0-7 (fp16) at [0, 16), then the int8 weights as Q4_K's nibbles
+   below, one run at [16, 272). Q4_0's and Q4_1's: d of rows 0-7 at [0, 16) (Q4_1: their m at
+   [16, 32)), then the 16 bytes of nibbles of each row as half a run (t < 4), at 16 (Q4_1: 32).
    Q4_K's (X8_Q4_K_BLOCK):
 
        [0, 16)      d of rows 0-7 (fp16)            [16, 32)   dmin of rows 0-7
