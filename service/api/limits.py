@@ -79,7 +79,8 @@ class Limits:
     max_pending_per_address: int = setting(
         64,
         "connections one client address may have waiting for their headers at once (as"
-        " `header_timeout_s` counts them); one more is reset as it is accepted, before any"
+        " `header_timeout_s` counts them) once half the process's file descriptors below"
+        " `fd_reserve` are in use; one more is reset as it is accepted, before any"
         " other work, unless its request's headers have all arrived. Peers in"
         " `trusted_proxies` are exempt, and `uds` has no such cap (service/server/listener.py)",
     )

@@ -7,12 +7,13 @@ error and stops accepting for a second while the backlog fills. So one client th
 socket the server closes fills the process's descriptors and the backlog, and everyone else
 waits seconds for an answer or gets none (issue 39). `GuardedListener.accept` decides first:
 
-- a client address may have `max_pending_per_address` connections waiting for their headers
-  (service/server/http_guard.py `Waiting`); one more is reset (RST: no TIME_WAIT left behind)
-  as it is accepted, costing an accept(), a peek and a close() and no task, unless its
-  request's headers are in already (a burst of clients that send their requests at once, or
-  /health from behind the same NAT as a flood, still gets in). Peers in `trusted_proxies` and
-  a Unix socket's are exempt: each stands for many clients;
+- once half the descriptors below the reserve are in use, a client address may have
+  `max_pending_per_address` connections waiting for their headers (service/server/http_guard.py
+  `Waiting`); one more is reset (RST: no TIME_WAIT left behind) as it is accepted, costing an
+  accept(), a peek and a close() and no task, unless its request's headers are in already (a burst
+  of clients that send their requests at once, or /health from behind the same NAT as a flood,
+  still gets in). Peers in `trusted_proxies` and a Unix socket's are exempt: each stands for many
+  clients;
 - the last `fd_reserve` descriptors of the process's open-file limit are kept back
   (`OpenFiles` counts what is held): a connection accepted into them is kept only if the
   connection that has waited longest for its headers can be pushed out for it, else it is
@@ -47,6 +48,7 @@ from service.server.connection_log import ConnectionLog
 from service.server.http_guard import RESET, Waiting
 
 ACCEPTS_PER_TURN = 64
+CAPPED_FROM = 0.5  # AcceptPolicy.capped_from
 HEADERS_PEEKED = 8192  # bytes looked at for a request's end of headers (h11's own cap: 16 KiB)
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
@@ -88,19 +90,24 @@ class OpenFiles:
 
         self.connection_class = Connection
 
-    def low(self, fd: int) -> bool:
-        """Whether the process is down to its reserve, the connection just accepted on `fd`
-        (not yet counted) included."""
+    def held(self, fd: int) -> int:
+        """The descriptors held, the connection just accepted on `fd` (not yet counted)
+        included: at least `fd` + 1, as accept() returns the lowest free one (POSIX)."""
         now = self._clock()
         if now - self._counted_at >= self.recount_s:
             self._counted_at = now
             listed = _count_open()
             if listed is not None:  # less the listing's own descriptor and `fd`
                 self._others = max(0, listed - 2 - self.connections)
-        held = self._others + self.connections + 1
-        floor = self.limit - self.reserve
-        # accept() returns the lowest free descriptor (POSIX): all below `fd` are open.
-        return held > floor or fd >= floor
+        return max(self._others + self.connections + 1, fd + 1)
+
+    def low(self, fd: int) -> bool:
+        """Whether the process is down to its reserve, the connection on `fd` included."""
+        return self.held(fd) > self.limit - self.reserve
+
+    def in_use(self, fd: int) -> float:
+        """The share of the descriptors below the reserve held, `fd`'s included."""
+        return self.held(fd) / max(self.limit - self.reserve, 1)
 
     def kept(self, fd: int, family: int, kind: int, proto: int) -> socket.socket:
         """The socket of a connection kept, counted in until it closes."""
@@ -126,6 +133,10 @@ class AcceptPolicy:
     files: OpenFiles
     max_pending_per_address: int
     trusted_proxies: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    # The cap applies once this share of the descriptors below the reserve is in use: a
+    # burst of clients from one address (a load test, a NAT) that the process has the
+    # descriptors for is served whole, while a flood is held to half of them
+    capped_from: float = CAPPED_FROM
 
     def __post_init__(self) -> None:
         if self.max_pending_per_address < 1:
@@ -150,6 +161,7 @@ class AcceptPolicy:
         if (
             self.waiting.of(address) >= self.max_pending_per_address
             and self.capped(address)
+            and self.files.in_use(fd) >= self.capped_from
             and not headers_in(fd)
         ):
             return (

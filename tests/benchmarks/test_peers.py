@@ -211,4 +211,8 @@ def test_the_whole_command_against_llama_server_on_the_bundled_model(tmp_path: P
     for peak in rss.values():  # the kernel's peak is at least any sample of it
         assert peak["hwm_mb"] >= peak["rss_mb"] - 1
     assert rss["pagechat"]["children"] == ["redis-server"]
-    assert "1 concurrent stream:" in (tmp_path / "peers.md").read_text()
+    # each table names the model (the bundled GGUF: its size and quant)
+    assert (
+        "1 concurrent stream (SmolLM2-135M-Instruct.Q4_1.gguf, "
+        in (tmp_path / "peers.md").read_text()
+    )

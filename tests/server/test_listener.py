@@ -54,6 +54,7 @@ async def gate(request: pytest.FixtureRequest) -> AsyncIterator[Gate]:
         OpenFiles(reserve=0, limit=1 << 30, recount_s=0.0),
         max_pending_per_address=CAP,
         trusted_proxies=tuple(ipaddress.ip_network(t) for t in trusted),
+        capped_from=0.0,  # capped at once: its descriptors are plenty
     )
     config = uvicorn.Config(app, lifespan="off", log_config=None)
     config.load()
@@ -238,3 +239,22 @@ def test_open_files_counts_kept_connections_till_they_close_and_the_rest_by_list
         assert files.connections == 0
     # accept() returns the lowest free descriptor: one at the floor says so by itself.
     assert files.low(files.limit - files.reserve)
+
+
+def test_the_cap_waits_till_half_the_descriptors_are_in_use() -> None:
+    # a burst of clients from one address (a load test, a NAT) that the process has the
+    # descriptors for is not reset at its cap; the same burst with half of them in use is
+    waiting = Waiting()
+    files = OpenFiles(reserve=0, limit=1 << 20, recount_s=0.0)
+    closed_log = ConnectionLog(logging.getLogger("test.closed"), every_s=3600.0)
+    policy = AcceptPolicy(waiting, closed_log, files, max_pending_per_address=2)
+    a, b = socket.socketpair()  # b: the connection just accepted, its headers not in
+    with a, b:
+        for fd in (101, 102):  # two already waiting for their headers
+            waiting.accepted(fd, "10.0.0.9")
+        assert policy.judge(b.fileno(), "10.0.0.9", low=False) is None
+        waiting.ended(b.fileno())
+        files.limit = 2 * files.held(b.fileno())
+        reason = policy.judge(b.fileno(), "10.0.0.9", low=False)
+        assert reason is not None and "connections waiting for their headers" in reason
+    closed_log.close()
