@@ -21,13 +21,15 @@ fails, each failure named):
 - failures: Locust counted none, and every scenario finished turns;
 - blocks: no KV block in use in either pool, each pool balanced (free + cached + in use = total);
 - rss flat: the median RSS of the load's last quarter within --rss-growth (5%) of its second
-  quarter's. The first quarter is warm-up (users ramp up, batches reach their largest shapes,
-  the prefix cache and the allocators fill). Medians, because a steady server's RSS swings by
-  1-2% from sample to sample as malloc's arenas grow and trim (a least-squares slope follows
-  those swings; it is printed, not judged). 5% leaves room for that and still catches a leak
-  of ~150 KB a turn in a 10-minute soak at 24 users (~1,300 turns, ~1.9 GB RSS with the
-  bundled model): a leaked request, step tensor or decoder state, not a few bytes a turn. The
-  bound is relative and a leak grows with the run, so a longer soak catches a smaller one.
+  quarter's. The first quarter is warm-up (users ramp up, batches reach their largest shapes, the
+  prefix cache and the allocators fill; its own server's KV pools are taken whole at start,
+  `--kv-pool-pages eager`, as lazily taken they grow while the cache fills). Medians, because a
+  steady server's RSS swings by 1-2% from sample to sample as malloc's arenas grow and trim (a
+  least-squares slope follows those swings; it is printed, not judged). 5% leaves room for that
+  and still catches a leak of ~150 KB a turn in a 10-minute soak at 24 users (~1,300 turns, ~1.9
+  GB RSS with the bundled model): a leaked request, step tensor or decoder state, not a few bytes
+  a turn. The bound is relative and a leak grows with the run, so a longer soak catches a smaller
+  one.
 - redis keys: every key under the prefix is a session's metadata, messages or page map (the
   layout of service/sessions/store.py) whose metadata exists, has a TTL, and agrees with the
   session's turn count (messages and page map once it has turns, neither before); no turn lease
@@ -74,6 +76,9 @@ def start_server(
     """`pagechat serve` on a free loopback port; (process, port) once it listens."""
     command = [sys.executable, "-m", "service.cli", "serve", "--port", "0"]
     command += ["--redis-url", redis_url, "--redis-prefix", prefix]
+    # The KV pools take their memory at start-up: taken as the prefix cache fills them (the
+    # default), they grow the RSS for as long as the cache has room, which is not a leak.
+    command += ["--kv-pool-pages", "eager"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

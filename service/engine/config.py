@@ -138,6 +138,13 @@ class EngineConfig:
         "device KV pool size in MiB when `num_device_blocks` is unset (SmolLM2 in bf16: 0.35 MiB"
         " per 16-token block, so 512 MiB hold ~23k tokens)",
     )
+    kv_pool_pages: str = setting(
+        "lazy",
+        "when a CPU-side KV pool takes its memory: lazy (as its blocks are first written, as"
+        " llama.cpp's does: a small load stays small, and RSS grows while the prefix cache fills"
+        " the pool) | eager (all at start-up: RSS flat from the first request, what a soak's"
+        " leak check needs, and a pool that does not fit fails at once)",
+    )
     num_cpu_blocks: int | None = setting(
         None,
         "CPU (swap) pool size in blocks (overrides `swap_space_mb`)",
@@ -233,6 +240,8 @@ class EngineConfig:
             raise ValueError(f"cpu_isa must be auto or one of {list(ALL_ISAS)}")
         if self.matmul_inputs != "auto" and self.matmul_inputs not in dispatch.MATMUL_INPUTS:
             raise ValueError(f"matmul_inputs must be auto or one of {list(dispatch.MATMUL_INPUTS)}")
+        if self.kv_pool_pages not in ("lazy", "eager"):
+            raise ValueError("kv_pool_pages must be lazy or eager")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be one of {list(WEIGHT_LAYOUTS)}")
         if self.kv_cache_dtype != "auto":

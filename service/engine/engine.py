@@ -230,6 +230,7 @@ class LLMEngine:
             backend=get_backend(config.attention_backend, device, config.cpu_kernels()),
             tier=self.kv_tier.worker if self.kv_tier is not None else None,
             decode_threads=config.native_threads(),
+            eager_pools=config.kv_pool_pages == "eager",
         )
 
     # ------------------------------------------------------------------ requests

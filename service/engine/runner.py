@@ -145,9 +145,12 @@ class ModelRunner:
         decode_threads: int = 1,
         window_groups: LayerGroups | None = None,
         num_window_blocks: tuple[int, int] = (0, 0),
+        eager_pools: bool = False,
     ) -> None:
         """`window_groups`: the layer split where the window layers keep pools of their own,
-        `num_window_blocks` (device, CPU) blocks; None: one pair of pools for every layer."""
+        `num_window_blocks` (device, CPU) blocks; None: one pair of pools for every layer.
+        `eager_pools`: CPU-side pools written whole at start-up (`host_zeros` leaves them to
+        take memory as their blocks are first written)."""
         self.model = model
         self.tier = tier  # the third tier's worker side, or None
         self.block_size = block_size
@@ -167,9 +170,10 @@ class ModelRunner:
                 device_pool = torch.zeros(device_shape, dtype=dtype, device=device)
                 cpu_pool = torch.zeros(cpu_shape, dtype=dtype, pin_memory=True)
             else:
+                zeros = torch.zeros if eager_pools else host_zeros
                 device_pool, cpu_pool = (
-                    host_zeros(device_shape, dtype),
-                    host_zeros(cpu_shape, dtype),
+                    zeros(device_shape, dtype=dtype),
+                    zeros(cpu_shape, dtype=dtype),
                 )
             return KVPools(layers, device=device_pool, cpu=cpu_pool)
 

@@ -130,3 +130,10 @@ def test_an_engine_with_int4_weights_decodes_and_releases_its_blocks(tiny_model_
     engine = engine_that_decoded(tiny_model_dir, weights="int4")
     assert engine.runner.model.weights_name == "Q4_1"  # what a dense weight quantizes to
     assert engine.runner.device_pool.dtype == torch.float16
+
+
+def test_kv_pool_pages_is_lazy_or_eager() -> None:
+    assert EngineConfig().kv_pool_pages == "lazy"
+    assert EngineConfig(kv_pool_pages="eager").kv_pool_pages == "eager"
+    with pytest.raises(ValueError, match="kv_pool_pages"):
+        EngineConfig(kv_pool_pages="now")
