@@ -26,6 +26,7 @@ from typing import Any, Literal
 import msgspec
 
 from service.api.openai.errors import invalid
+from service.api.structured import closed
 from service.engine.params import StructuredOutput
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -187,8 +188,13 @@ def parameters_of(function: FunctionDef) -> dict[str, Any]:
 def _call_schema(function: FunctionDef) -> dict[str, Any]:
     """One call of `function`. Its parameters' own references (`#/$defs/...`, `#`: how
     pydantic writes a nested model or an enum) are rebased onto where they now stand, under
-    the call's `arguments`."""
-    arguments = _rebased(parameters_of(function), "#/properties/arguments")
+    the call's `arguments`.
+
+    NOTE: an object of the parameters that does not say `additionalProperties` is closed, as
+    vLLM's default backend (xgrammar's strict mode) and OpenAI's strict mode have it: pydantic
+    writes no `additionalProperties` (instructor's Mode.TOOLS sends its models so), and an open
+    object lets a small model add properties until `max_tokens` cuts the call."""
+    arguments = _rebased(closed(parameters_of(function)), "#/properties/arguments")
     return {
         "type": "object",
         "properties": {"name": {"const": function.name}, "arguments": arguments},

@@ -281,6 +281,30 @@ def test_the_call_grammar_follows_refs_to_the_parameters_own_defs_compactly(choi
     assert not accepts(f"<tool_call>\n{spaced}\n</tool_call>")
 
 
+def test_objects_that_do_not_say_are_closed_and_those_that_do_keep_their_word() -> None:
+    tokenizer = gguf_tokenizer()
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    town = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    pydantics = {  # no additionalProperties anywhere, as pydantic (and instructor) write them
+        "$defs": {"Town": town},
+        "type": "object",
+        "properties": {"town": {"$ref": "#/$defs/Town"}, "tags": {"type": "object",
+                                                                "additionalProperties": True}},
+        "required": ["town", "tags"],
+    }  # fmt: skip
+    tool = {"type": "function", "function": {"name": "f", "parameters": pydantics}}
+    grammar = call_grammar(tools_of([tool], "required", False))
+
+    def accepts(arguments: str) -> bool:
+        matcher = compiler.matcher(grammar)
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        return all(matcher.accept(t) for t in tokenizer.encode(text))
+
+    assert accepts('{"town": {"name": "Oslo"}, "tags": {"any": 1}}')
+    assert not accepts('{"town": {"name": "Oslo"}, "tags": {}, "days": 2}')
+    assert not accepts('{"town": {"name": "Oslo", "days": 2}, "tags": {}}')
+
+
 def test_calls_are_written_with_response_formats_json_options() -> None:
     from service.engine.grammar_specs import JSON_OPTIONS
 
