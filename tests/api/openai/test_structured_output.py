@@ -350,7 +350,7 @@ class Town(pydantic.BaseModel):
 
 class Forecast(pydantic.BaseModel):
     """A nested model and an enum: pydantic writes them as $defs and $refs, as instructor's
-    Mode.TOOLS sends them (instructor is not installed here: the same request, by the SDK)."""
+    Mode.TOOLS sends them (test_instructor.py sends them through instructor itself)."""
 
     town: Town
     unit: Unit
