@@ -498,8 +498,18 @@ async def test_a_markdown_answer_renders_code_lists_tables_and_safe_links(
     assert await link.get_attribute("target") == "_blank"
     assert "noopener" in (await link.get_attribute("rel") or "")
     assert "```" not in await answer.inner_text() and "**" not in await answer.inner_text()
-    await answer.locator("button.copy").click()
-    assert await answer.locator("button.copy").inner_text() == "Copied"
+    # The button says "Copied" for 1.5 s: every text it shows is recorded, so that a slow
+    # machine reading it after it turned back still sees that it said so.
+    copy = answer.locator("button.copy")
+    await copy.evaluate(
+        """(button) => {
+            window.copyTexts = [];
+            new MutationObserver(() => window.copyTexts.push(button.textContent))
+                .observe(button, {childList: true, characterData: true, subtree: true});
+        }"""
+    )
+    await copy.click()
+    await page.wait_for_function("window.copyTexts.includes('Copied')")
     await page.screenshot(path=str(tmp_path / "markdown-answer.png"))
     assert not opened.errors, opened.errors
 
