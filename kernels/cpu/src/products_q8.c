@@ -281,20 +281,7 @@ static inline __attribute__((always_inline)) void group_k_x8(const uint8_t *grou
     x8_finish(acc, tail, R, y, ldy);
 }
 
-static inline __attribute__((always_inline)) void group_q4_k_x8(const uint8_t *group, int64_t k,
-                                                                const uint8_t *x, int64_t ldx,
-                                                                float *y, int64_t ldy,
-                                                                const int R) {
-    group_k_x8(group, k, x, ldx, y, ldy, R, 0);
-}
-static inline __attribute__((always_inline)) void group_q5_k_x8(const uint8_t *group, int64_t k,
-                                                                const uint8_t *x, int64_t ldx,
-                                                                float *y, int64_t ldy,
-                                                                const int R) {
-    group_k_x8(group, k, x, ldx, y, ldy, R, 1);
-}
-
-/* The eight rows of a PC_Q6_K_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
+/* The eight rows of a PC_Q6_K_X8 `group` against R <= 4 input rows, as group_k_x8: lane l
    of the row path's accumulators (row_q6_k) is acc[r][l], each sub-block's exact total (its
    two 16s' int8 scales inside the integers) times d d_x, then lane l's offsets, of the 16s l
    and 8 + l. */
@@ -339,7 +326,7 @@ static inline __attribute__((always_inline)) void group_q6_k_x8(const uint8_t *g
 }
 
 /* The eight rows of a PC_Q4_0_X8 `group` (`with_m`: PC_Q4_1_X8) against R <= 4 input rows, as
-   group_q4_k_x8: lane l of the row path's accumulators (row_q4_0, row_q4_1) is acc[r][l],
+   group_k_x8: lane l of the row path's accumulators (row_q4_0, row_q4_1) is acc[r][l],
    block 8 c + l's exact total times d d_x, then its offset (-8 d, or m) times d_x sum(q); a
    row's last, part chunk adds 0 * 0 in its missing lanes and its offsets one by one into
    the tail, as the row path does. */
@@ -386,20 +373,8 @@ static inline __attribute__((always_inline)) void group_legacy_x8(const uint8_t 
     }
     x8_finish(acc, tail, R, y, ldy);
 }
-static inline __attribute__((always_inline)) void group_q4_0_x8(const uint8_t *group, int64_t k,
-                                                                const uint8_t *x, int64_t ldx,
-                                                                float *y, int64_t ldy,
-                                                                const int R) {
-    group_legacy_x8(group, k, x, ldx, y, ldy, R, 0);
-}
-static inline __attribute__((always_inline)) void group_q4_1_x8(const uint8_t *group, int64_t k,
-                                                                const uint8_t *x, int64_t ldx,
-                                                                float *y, int64_t ldy,
-                                                                const int R) {
-    group_legacy_x8(group, k, x, ldx, y, ldy, R, 1);
-}
 
-/* The eight rows of a PC_Q8_0_X8 `group` against R <= 4 input rows, as group_q4_k_x8: lane l
+/* The eight rows of a PC_Q8_0_X8 `group` against R <= 4 input rows, as group_k_x8: lane l
    of the row path's accumulators (row_q8_0) is acc[r][l], block 8 c + l's exact total times
    d d_x; a row's last, part chunk adds 0 * 0 in its missing lanes, as the row path does. */
 static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *group, int64_t k,
@@ -436,7 +411,7 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
 }
 
 /* a regrouped group against m input rows, four at a time */
-#define GROUP_ROWS(T)                                                                              \
+#define GROUP_ROWS(T, KERNEL, ...)                                                                 \
     static void group_rows_##T(const uint8_t *group, int64_t k, const uint8_t *x, int64_t m,       \
                                float *y, int64_t ldy) {                                            \
         const int64_t ldx = pc_q8_row_bytes(k);                                                    \
@@ -444,19 +419,19 @@ static inline __attribute__((always_inline)) void group_q8_0_x8(const uint8_t *g
             const uint8_t *xr = x + r * ldx;                                                       \
             float *yr = y + r * ldy;                                                               \
             switch (m - r < 4 ? m - r : 4) {                                                       \
-            case 1: group_##T(group, k, xr, ldx, yr, ldy, 1); break;                               \
-            case 2: group_##T(group, k, xr, ldx, yr, ldy, 2); break;                               \
-            case 3: group_##T(group, k, xr, ldx, yr, ldy, 3); break;                               \
-            default: group_##T(group, k, xr, ldx, yr, ldy, 4); break;                              \
+            case 1: KERNEL(group, k, xr, ldx, yr, ldy, 1, ##__VA_ARGS__); break;                   \
+            case 2: KERNEL(group, k, xr, ldx, yr, ldy, 2, ##__VA_ARGS__); break;                   \
+            case 3: KERNEL(group, k, xr, ldx, yr, ldy, 3, ##__VA_ARGS__); break;                   \
+            default: KERNEL(group, k, xr, ldx, yr, ldy, 4, ##__VA_ARGS__); break;                  \
             }                                                                                      \
         }                                                                                          \
     }
-GROUP_ROWS(q4_0_x8)
-GROUP_ROWS(q4_1_x8)
-GROUP_ROWS(q8_0_x8)
-GROUP_ROWS(q4_k_x8)
-GROUP_ROWS(q5_k_x8)
-GROUP_ROWS(q6_k_x8)
+GROUP_ROWS(q4_0_x8, group_legacy_x8, 0)
+GROUP_ROWS(q4_1_x8, group_legacy_x8, 1)
+GROUP_ROWS(q8_0_x8, group_q8_0_x8)
+GROUP_ROWS(q4_k_x8, group_k_x8, 0)
+GROUP_ROWS(q5_k_x8, group_k_x8, 1)
+GROUP_ROWS(q6_k_x8, group_q6_k_x8)
 
 /* Rows [n_begin, n_end) of a regrouped weight (`type`) against m input rows: whole groups
    eight lanes at a time, a row of a group the range cuts through as stored (`row`: row_bytes
