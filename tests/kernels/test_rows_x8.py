@@ -129,3 +129,23 @@ def test_dequantization_and_lookups_read_the_rows_as_stored(
     ids = torch.tensor([15, 0, 7, 8, 7], dtype=torch.int64)
     assert torch.equal(ops.dequantize_rows(cpu, x8, ids), ops.dequantize_rows(cpu, weight, ids))
     assert torch.equal(PackedWeight((x8,)).dequantize(), PackedWeight((weight,)).dequantize())
+
+
+def test_a_regrouped_q5_0_is_no_type_the_kernels_take(int8: KernelSet) -> None:
+    # Q5_0 is never regrouped: its code with ROWS_X8 is refused, not read as another type
+    gen = torch.Generator().manual_seed(40)
+    weight = random_blocks(WeightType.Q5_0, 8, 256, gen)
+    x = torch.randn(20, 256, generator=gen)
+    code = int(WeightType.Q5_0) | 0x100
+    for m in (1, 20):
+        y = torch.empty(m, 8)
+        status = int8.fn("gemv")(
+            code, weight.data.data_ptr(), weight.data.shape[1], x.data_ptr(), m, 256,
+            y.data_ptr(), 8, 0, 8,
+        )  # fmt: skip
+        assert status == 2  # PC_BAD_SHAPE
+    out = torch.empty(8, 256)
+    status = int8.fn("dequant")(
+        code, weight.data.data_ptr(), weight.data.shape[1], 256, 0, 8, out.data_ptr(), 256, 0
+    )
+    assert status == 2

@@ -515,7 +515,7 @@ int64_t PC_FN(gemv_q8_prepared)(int64_t type, const uint8_t *w, int64_t row_byte
                                 int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
         return PC_OK;
-    if ((type & PC_ROWS_X8) && m <= X8_FEW_ROWS) {
+    if (x8_regrouped(type) && m <= X8_FEW_ROWS) {
         const int cut = n_begin % X8_ROWS != 0 || n_end % X8_ROWS != 0;
         uint8_t *row = cut ? malloc((size_t)row_bytes) : NULL;
         if (cut && row == NULL)

@@ -443,8 +443,8 @@ static int64_t gemv_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const 
 int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t m,
                     int64_t k, float *y, int64_t ldy, int64_t n_begin, int64_t n_end) {
     if (m < 1 || n_begin >= n_end)
-        return PC_OK;      /* nothing to compute (a step with no sample) */
-    if (type & PC_ROWS_X8) /* a layout for the int8 products: here a group at a time as stored */
+        return PC_OK;       /* nothing to compute (a step with no sample) */
+    if (x8_regrouped(type)) /* a layout for the int8 products: a group at a time as stored */
         return gemv_x8(type, w, row_bytes, x, m, k, y, ldy, n_begin, n_end);
     const int64_t block = m > GEMV_ROWS ? input_block(m, k) : m;
     if (block < m) { /* each block a product of its own (the amx path's split inputs too) */
@@ -485,8 +485,8 @@ int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const flo
    (out_type PC_F32 / PC_BF16), each weight the value gguf's dequantization gives. */
 int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
                        int64_t r_begin, int64_t r_end, void *out, int64_t ld, int64_t out_type) {
-    const int x8 = (type & PC_ROWS_X8) != 0;
-    const row_fn row = row_kernel(x8_stored_type(type));
+    const int x8 = x8_regrouped(type);
+    const row_fn row = row_kernel(x8 ? x8_stored_type(type) : type);
     if (row == NULL || (out_type != PC_F32 && out_type != PC_BF16))
         return PC_BAD_SHAPE;
     /* a bf16 row's floats first, a regrouped row's stored bytes after them */
@@ -516,8 +516,8 @@ int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_
 /* Rows ids[0..count) of a weight, dense fp32, to out [count, k]: an embedding lookup. */
 int64_t PC_FN(dequant_rows)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
                             const int64_t *ids, int64_t count, float *out) {
-    const int x8 = (type & PC_ROWS_X8) != 0;
-    const row_fn row = row_kernel(x8_stored_type(type));
+    const int x8 = x8_regrouped(type);
+    const row_fn row = row_kernel(x8 ? x8_stored_type(type) : type);
     if (row == NULL)
         return PC_BAD_SHAPE;
     uint8_t *stored = x8 ? malloc((size_t)row_bytes) : NULL;

@@ -118,6 +118,11 @@ static inline void x8_move_row(int64_t type, uint8_t *group, int64_t blocks, int
     }
 }
 
+/* Whether `type` is a regrouped one the kernels read (PC_ROWS_X8 on a type it serves) */
+static inline int x8_regrouped(int64_t type) {
+    return (type & PC_ROWS_X8) != 0 && pc_block_bytes(type) != 0;
+}
+
 /* The stored type of a regrouped one (PC_Q4_K_X8 -> PC_Q4_K), any other type as it is */
 static inline int64_t x8_stored_type(int64_t type) {
     return type & ~(int64_t)PC_ROWS_X8;

@@ -356,32 +356,16 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
 int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
                         int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
                         int64_t n_end) {
+    /* a regrouped weight (rows_x8.h) as its stored type, each group read back as stored */
+    const int64_t x8 = x8_regrouped(type) ? type : 0;
 #define TILES(T, FORM)                                                                             \
-    tiles(lay_out_##T, FORM, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end, 0)
-    switch (type) {
+    tiles(lay_out_##T, FORM, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end, x8)
+    switch (x8 ? x8_stored_type(type) : type) {
     case PC_Q4_0: return TILES(q4_0, TILE_U32);
     case PC_Q4_1: return TILES(q4_1, TILE_U32);
     case PC_Q5_0: return TILES(q5_0, TILE_U32);
     case PC_Q8_0: return TILES(q8_0, TILE_S);
     case PC_Q4_K: return TILES(q4_k, TILE_U32);
-    case PC_Q4_K_X8:
-        return tiles(lay_out_q4_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
-                     type);
-    case PC_Q4_0_X8:
-        return tiles(lay_out_q4_0, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
-                     type);
-    case PC_Q4_1_X8:
-        return tiles(lay_out_q4_1, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
-                     type);
-    case PC_Q8_0_X8:
-        return tiles(lay_out_q8_0, TILE_S, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
-                     type);
-    case PC_Q5_K_X8:
-        return tiles(lay_out_q5_k, TILE_U32, w, row_bytes, inputs, m, k, y, ldy, n_begin, n_end,
-                     type);
-    case PC_Q6_K_X8:
-        return tiles(lay_out_q6_k, TILE_SCALED16, w, row_bytes, inputs, m, k, y, ldy, n_begin,
-                     n_end, type);
     case PC_Q5_K: return TILES(q5_k, TILE_U32);
     case PC_Q6_K: return TILES(q6_k, TILE_SCALED16);
     default: return PC_BAD_SHAPE;
