@@ -48,8 +48,9 @@ COMMON_FLAGS = (
 )  # fmt: skip
 
 
-# vnni's level with Intel's tile unit (AMX-TILE, AMX-BF16): quants.c's products of many rows
-AMX_FLAGS = ("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")
+# vnni's level with Intel's tile unit (AMX-TILE, AMX-BF16, AMX-INT8): the products of many rows
+# (quants.c's fp32 inputs in bf16, tiles_q8.c's int8 inputs)
+AMX_FLAGS = ("-march=x86-64-v4", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8")
 
 
 @dataclass(frozen=True, slots=True)

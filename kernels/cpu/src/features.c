@@ -40,7 +40,7 @@ int64_t pc_cpu_runs(const char *isa) {
         /* Linux hands out the tile registers' state only to a process that asks for it (once;
            every thread then has it): no permission, no AMX, whatever cpuid says. */
         return vnni && __builtin_cpu_supports("amx-tile") > 0 &&
-               __builtin_cpu_supports("amx-bf16") > 0 &&
+               __builtin_cpu_supports("amx-bf16") > 0 && __builtin_cpu_supports("amx-int8") > 0 &&
                syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
 #elif defined(__aarch64__)

@@ -8,7 +8,7 @@
      PC_ISA_AVX2     x86-64-v3: AVX2, FMA, F16C
      PC_ISA_AVX512   x86-64-v4: AVX512 F/BW/DQ/VL
      PC_ISA_VNNI     x86-64-v4 with AVX512-VNNI
-     PC_ISA_AMX      the VNNI version with Intel's tile unit (AMX-TILE, AMX-BF16) for
+     PC_ISA_AMX      the VNNI version with Intel's tile unit (AMX-TILE, AMX-BF16, AMX-INT8) for
                      products of many rows (quants.c)
      PC_ISA_NEON     arm64 with NEON and the dot-product instructions (armv8.2-a+dotprod)
    and PC_ISA, the suffix of every exported name (pc_gemv_avx2). */

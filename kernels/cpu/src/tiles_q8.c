@@ -308,6 +308,180 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
     }
 }
 
+#if defined(PC_ISA_AMX)
+/* ---- AMX: the integer totals from Intel's tile unit ---------------------------------------- */
+/* One tile product (TDPBUSD, or TDPBSSD for Q8_0's signed weights) gives a sub-block's exact
+   integer totals for 16 laid-out weight rows (the A tile: 16 rows of the sub-block's 32 bytes,
+   a laid-out row's stride apart) against the 16 input rows of a vector (the B tile: the
+   sub-block's eight groups of four bytes per row, side by side as they already are): 16 x 16
+   totals where the VNNI tile takes 128 dot instructions (Q6_K: two products of 16, its
+   halves). The totals go through L1, a chunk of them at a time, and from there the float work
+   is tile()'s, operation for operation, so each output is the same bits as every other path's. */
+#define AMX_J 16
+
+/* palette 1: tiles 0-3 the totals (16 weight rows x 16 input rows), 4-5 weight rows (16 x
+   `depth` bytes), 6-7 input groups (depth / 4 x 64 bytes) */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void load_tile_config(int depth) {
+    tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = t >= 4 && t < 6 ? (uint16_t)depth : 64;
+        config.rows[t] = t >= 6 ? (uint8_t)(depth / 4) : 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* total `c` of the product at `depth` bytes `off` into sub-block s (tile numbers are
+   immediates, hence a macro): the weight rows from `ints` (AMX_J rows `stride` apart), the
+   input groups from x */
+#define AMX_TOTAL(c, a, b, s, off, sign)                                                           \
+    do {                                                                                           \
+        _tile_loadd(a, ints + 32 * (s) + (off), stride);                                           \
+        _tile_loadd(b, x.groups + (8 * (s) + (off) / 4) * VR, 4 * VR);                            \
+        _tile_zero(c);                                                                             \
+        if (sign)                                                                                  \
+            _tile_dpbssd(c, a, b);                                                                 \
+        else                                                                                       \
+            _tile_dpbusd(c, a, b);                                                                 \
+    } while (0)
+
+/* sub-blocks [first, first + n) of a chunk: their totals into totals[l][j] (32 bytes deep),
+   or Q6_K's halves into totals[l][j] and totals[CHUNK + l][j] (16 deep), four products in
+   flight before their stores */
+static inline __attribute__((always_inline)) void chunk_totals(const uint8_t *ints, int64_t stride,
+                                                               side_by_side x, int64_t first,
+                                                               int64_t n, int32_t *totals,
+                                                               const int kind) {
+    const int64_t T = AMX_J * VR; /* one tile of totals */
+    if (kind == DOT_SCALED) {
+        for (int64_t l = 0; l < n; l += 2) {
+            const int64_t s = first + l;
+            AMX_TOTAL(0, 4, 6, s, 0, 0);
+            AMX_TOTAL(1, 5, 7, s, 16, 0);
+            if (l + 1 < n) {
+                AMX_TOTAL(2, 4, 6, s + 1, 0, 0);
+                AMX_TOTAL(3, 5, 7, s + 1, 16, 0);
+            }
+            _tile_stored(0, totals + l * T, 4 * VR);
+            _tile_stored(1, totals + (CHUNK + l) * T, 4 * VR);
+            if (l + 1 < n) {
+                _tile_stored(2, totals + (l + 1) * T, 4 * VR);
+                _tile_stored(3, totals + (CHUNK + l + 1) * T, 4 * VR);
+            }
+        }
+        return;
+    }
+    const int sign = kind == DOT_S;
+    for (int64_t l = 0; l < n; l += 4) {
+        const int64_t s = first + l;
+        AMX_TOTAL(0, 4, 6, s, 0, sign);
+        if (l + 1 < n)
+            AMX_TOTAL(1, 5, 7, s + 1, 0, sign);
+        if (l + 2 < n)
+            AMX_TOTAL(2, 4, 6, s + 2, 0, sign);
+        if (l + 3 < n)
+            AMX_TOTAL(3, 5, 7, s + 3, 0, sign);
+        _tile_stored(0, totals + l * T, 4 * VR);
+        if (l + 1 < n)
+            _tile_stored(1, totals + (l + 1) * T, 4 * VR);
+        if (l + 2 < n)
+            _tile_stored(2, totals + (l + 2) * T, 4 * VR);
+        if (l + 3 < n)
+            _tile_stored(3, totals + (l + 3) * T, 4 * VR);
+    }
+}
+
+/* The totals of one chunk: 16 x 16 for each of its sub-blocks (and Q6_K's second halves) */
+#define CHUNK_TOTALS (2 * CHUNK * AMX_J * VR)
+
+/* J (<= AMX_J) laid-out weight rows, AMX_J strides apart from `ints`, against the VR rows of x:
+   tile()'s float work on the tile unit's totals, each lane's operations in tile()'s order (a
+   sub-block's product, then its offsets). The next chunk's tile products are issued before
+   this chunk's float work, so the tile unit runs beside it. `scratch`: AMX_J * (CHUNK + 1) * VR
+   floats, then 2 * CHUNK_TOTALS int32. */
+static inline __attribute__((always_inline)) void amx_tile(const laid_out *w, int64_t stride,
+                                                           side_by_side x, int64_t k, float *y,
+                                                           int64_t ldy, int64_t rows, int J,
+                                                           const int kind, const int offsets,
+                                                           float *scratch) {
+    const int64_t subs = k / 32;
+    float(*acc)[CHUNK][VR] = (float(*)[CHUNK][VR])scratch;
+    float(*tail)[VR] = (float(*)[VR])(scratch + AMX_J * CHUNK * VR);
+    int32_t *totals = (int32_t *)(scratch + AMX_J * (CHUNK + 1) * VR);
+    for (int j = 0; j < J; j++) {
+        vrf_store(tail[j], vrf_zero());
+        for (int l = 0; l < CHUNK; l++)
+            vrf_store(acc[j][l], vrf_zero());
+    }
+    chunk_totals(w[0].ints, stride, x, 0, subs < CHUNK ? subs : CHUNK, totals, kind);
+    for (int64_t first = 0; first < subs; first += CHUNK) {
+        const int64_t n = subs - first < CHUNK ? subs - first : CHUNK;
+        const int32_t *these = totals + (first / CHUNK % 2) * CHUNK_TOTALS;
+        if (first + CHUNK < subs) {
+            const int64_t next = subs - first - CHUNK < CHUNK ? subs - first - CHUNK : CHUNK;
+            chunk_totals(w[0].ints, stride, x, first + CHUNK, next,
+                         totals + (first / CHUNK % 2 ^ 1) * CHUNK_TOTALS, kind);
+        }
+        for (int j = 0; j < J; j++) {
+            const float *b = w[j].b + 2 * first;
+            for (int l = 0; l < CHUNK; l++) {
+                vrf a = vrf_load(acc[j][l]);
+                if (l >= n) { /* as tile(): a part chunk's missing lanes add 0 * 0 */
+                    vrf_store(acc[j][l], vrf_fma(vrf_zero(), vrf_zero(), a));
+                    continue;
+                }
+                const int64_t s = first + l;
+                vr p = vr_load(these + (l * AMX_J + j) * VR);
+                if (kind == DOT_SCALED)
+                    p = vr_add(vr_scale(p, w[j].sc[2 * s]),
+                               vr_scale(vr_load(these + ((CHUNK + l) * AMX_J + j) * VR),
+                                        w[j].sc[2 * s + 1]));
+                const vrf scale = vrf_mul(vrf_set1(w[j].a[s]), vrf_load(x.scales + s * VR));
+                a = vrf_fma(vrf_from(p), scale, a);
+                if (offsets == OFFSETS_16) {
+                    const float *sums = x.sums16 + 2 * first * VR;
+                    a = vrf_fma(vrf_set1(b[l]), vrf_load(sums + l * VR), a);
+                    a = vrf_fma(vrf_set1(b[l + 8]), vrf_load(sums + (l + 8) * VR), a);
+                } else if (offsets == OFFSETS_32 && n == CHUNK) {
+                    a = vrf_fma(vrf_set1(b[l]), vrf_load(x.sums32 + s * VR), a);
+                } else if (offsets == OFFSETS_32) { /* a part chunk's offsets into the tail */
+                    const vrf term = vrf_mul(vrf_set1(b[l]), vrf_load(x.sums32 + s * VR));
+                    vrf_store(tail[j], vrf_add(vrf_load(tail[j]), term));
+                }
+                vrf_store(acc[j][l], a);
+            }
+        }
+    }
+    for (int j = 0; j < J; j++) {
+        /* tile()'s tree */
+        vrf t[4];
+        for (int l = 0; l < 4; l++)
+            t[l] = vrf_add(vrf_load(acc[j][l]), vrf_load(acc[j][l + 4]));
+        const vrf total =
+            vrf_add(vrf_add(vrf_add(t[0], t[2]), vrf_add(t[1], t[3])), vrf_load(tail[j]));
+        float lanes[VR];
+        vrf_store(lanes, total);
+        for (int64_t l = 0; l < rows; l++)
+            y[l * ldy + j] = lanes[l];
+    }
+}
+
+/* the types the tile unit serves here: TILE_U32's and TILE_S's (Q6_K keeps VNNI's tiles) */
+static void amx_tile_rows(const laid_out *rows, int64_t stride, side_by_side x, int64_t k,
+                          float *y, int64_t ldy, int64_t rows_here, int J, int form,
+                          float *scratch) {
+    if (form == TILE_S)
+        amx_tile(rows, stride, x, k, y, ldy, rows_here, J, DOT_S, OFFSETS_NONE, scratch);
+    else
+        amx_tile(rows, stride, x, k, y, ldy, rows_here, J, DOT_U, OFFSETS_32, scratch);
+}
+#endif
+
 /* `x8`: the weight is regrouped (its type, rows_x8.h), each group of rows taken back to its
    stored bytes first (x8_group_rows); 0 where it is not */
 static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row_bytes,
@@ -316,14 +490,37 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
     const int64_t subs = k / 32, vectors = (m + VR - 1) / VR;
     const int64_t stride = (subs + CHUNK - 1) / CHUNK * LAID_OUT_CHUNK_BYTES;
     const int64_t vector_bytes = side_by_side_bytes(k);
-    uint8_t *buf = malloc((size_t)(TJ * stride + (x8 ? X8_ROWS * row_bytes : 0)));
+#if defined(PC_ISA_AMX)
+    /* weight rows AMX_J at a time, and the float work's accumulators and totals (amx_tile).
+       Q6_K's halves took longer on the tile unit than in VNNI's tiles (Xeon, AMX: 30.1 against
+       24.1 ms, 128 x 8192 x 2048), so it keeps those. */
+    const int amx = form != TILE_SCALED16;
+    enum { MOST = AMX_J };
+    const int64_t scratch_bytes = (int64_t)(AMX_J * (CHUNK + 1) * VR * sizeof(float) +
+                                            2 * CHUNK_TOTALS * sizeof(int32_t));
+#else
+    const int amx = 0;
+    enum { MOST = TJ };
+    const int64_t scratch_bytes = 0;
+#endif
+    const int64_t step = amx ? MOST : TJ;
+    const int64_t stored_bytes = x8 ? X8_ROWS * row_bytes : 0;
+    uint8_t *buf = malloc((size_t)(step * stride + stored_bytes + scratch_bytes + 64));
     if (buf == NULL)
         return PC_NO_MEMORY;
-    uint8_t *stored = buf + TJ * stride; /* x8: the group `group`'s rows as stored */
+    uint8_t *stored = buf + step * stride; /* x8: the group `group`'s rows as stored */
+#if defined(PC_ISA_AMX)
+    /* a last step's rows past n_end are read by the tile unit and their totals dropped: zero
+       rather than whatever malloc left */
+    memset(buf, 0, (size_t)(step * stride));
+    float *scratch = (float *)(((uintptr_t)(stored + stored_bytes) + 63) & ~(uintptr_t)63);
+    if (amx)
+        load_tile_config(32);
+#endif
     int64_t group = -1;
-    for (int64_t j = n_begin; j < n_end; j += TJ) {
-        const int J = n_end - j < TJ ? (int)(n_end - j) : TJ;
-        laid_out rows[TJ];
+    for (int64_t j = n_begin; j < n_end; j += step) {
+        const int J = n_end - j < step ? (int)(n_end - j) : (int)step;
+        laid_out rows[MOST];
         for (int i = 0; i < J; i++) {
             const uint8_t *row = w + (j + i) * row_bytes;
             if (x8) {
@@ -343,9 +540,20 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
         for (int64_t b = 0; b < vectors; b++) {
             const int64_t r0 = b * VR, rows_here = m - r0 < VR ? m - r0 : VR;
             const side_by_side x = side_by_side_at((uint8_t *)inputs + b * vector_bytes, k);
+#if defined(PC_ISA_AMX)
+            if (amx) {
+                amx_tile_rows(rows, stride, x, k, y + r0 * ldy + j, ldy, rows_here, J, form,
+                              scratch);
+                continue;
+            }
+#endif
             tile_rows(rows, x, k, y + r0 * ldy + j, ldy, rows_here, J, form);
         }
     }
+#if defined(PC_ISA_AMX)
+    if (amx)
+        _tile_release();
+#endif
     free(buf);
     return PC_OK;
 }
