@@ -351,31 +351,12 @@ static void load_tile_config(int depth) {
     } while (0)
 
 /* sub-blocks [first, first + n) of a chunk: their totals into totals[l][j] (32 bytes deep),
-   or Q6_K's halves into totals[l][j] and totals[CHUNK + l][j] (16 deep), four products in
-   flight before their stores */
+   four products in flight before their stores */
 static inline __attribute__((always_inline)) void chunk_totals(const uint8_t *ints, int64_t stride,
                                                                side_by_side x, int64_t first,
                                                                int64_t n, int32_t *totals,
                                                                const int kind) {
     const int64_t T = AMX_J * VR; /* one tile of totals */
-    if (kind == DOT_SCALED) {
-        for (int64_t l = 0; l < n; l += 2) {
-            const int64_t s = first + l;
-            AMX_TOTAL(0, 4, 6, s, 0, 0);
-            AMX_TOTAL(1, 5, 7, s, 16, 0);
-            if (l + 1 < n) {
-                AMX_TOTAL(2, 4, 6, s + 1, 0, 0);
-                AMX_TOTAL(3, 5, 7, s + 1, 16, 0);
-            }
-            _tile_stored(0, totals + l * T, 4 * VR);
-            _tile_stored(1, totals + (CHUNK + l) * T, 4 * VR);
-            if (l + 1 < n) {
-                _tile_stored(2, totals + (l + 1) * T, 4 * VR);
-                _tile_stored(3, totals + (CHUNK + l + 1) * T, 4 * VR);
-            }
-        }
-        return;
-    }
     const int sign = kind == DOT_S;
     for (int64_t l = 0; l < n; l += 4) {
         const int64_t s = first + l;
@@ -396,8 +377,8 @@ static inline __attribute__((always_inline)) void chunk_totals(const uint8_t *in
     }
 }
 
-/* The totals of one chunk: 16 x 16 for each of its sub-blocks (and Q6_K's second halves) */
-#define CHUNK_TOTALS (2 * CHUNK * AMX_J * VR)
+/* The totals of one chunk: 16 x 16 for each of its sub-blocks */
+#define CHUNK_TOTALS (CHUNK * AMX_J * VR)
 
 /* J (<= AMX_J) laid-out weight rows, AMX_J strides apart from `ints`, against the VR rows of x:
    tile()'s float work on the tile unit's totals, each lane's operations in tile()'s order (a
@@ -436,18 +417,10 @@ static inline __attribute__((always_inline)) void amx_tile(const laid_out *w, in
                     continue;
                 }
                 const int64_t s = first + l;
-                vr p = vr_load(these + (l * AMX_J + j) * VR);
-                if (kind == DOT_SCALED)
-                    p = vr_add(vr_scale(p, w[j].sc[2 * s]),
-                               vr_scale(vr_load(these + ((CHUNK + l) * AMX_J + j) * VR),
-                                        w[j].sc[2 * s + 1]));
+                const vr p = vr_load(these + (l * AMX_J + j) * VR);
                 const vrf scale = vrf_mul(vrf_set1(w[j].a[s]), vrf_load(x.scales + s * VR));
                 a = vrf_fma(vrf_from(p), scale, a);
-                if (offsets == OFFSETS_16) {
-                    const float *sums = x.sums16 + 2 * first * VR;
-                    a = vrf_fma(vrf_set1(b[l]), vrf_load(sums + l * VR), a);
-                    a = vrf_fma(vrf_set1(b[l + 8]), vrf_load(sums + (l + 8) * VR), a);
-                } else if (offsets == OFFSETS_32 && n == CHUNK) {
+                if (offsets == OFFSETS_32 && n == CHUNK) {
                     a = vrf_fma(vrf_set1(b[l]), vrf_load(x.sums32 + s * VR), a);
                 } else if (offsets == OFFSETS_32) { /* a part chunk's offsets into the tail */
                     const vrf term = vrf_mul(vrf_set1(b[l]), vrf_load(x.sums32 + s * VR));
