@@ -342,7 +342,7 @@ static void load_tile_config(int depth) {
 #define AMX_TOTAL(c, a, b, s, off, sign)                                                           \
     do {                                                                                           \
         _tile_loadd(a, ints + 32 * (s) + (off), stride);                                           \
-        _tile_loadd(b, x.groups + (8 * (s) + (off) / 4) * VR, 4 * VR);                            \
+        _tile_loadd(b, x.groups + (8 * (s) + (off) / 4) * VR, 4 * VR);                             \
         _tile_zero(c);                                                                             \
         if (sign)                                                                                  \
             _tile_dpbssd(c, a, b);                                                                 \
@@ -385,14 +385,12 @@ static inline __attribute__((always_inline)) void chunk_totals(const uint8_t *in
    sub-block's product, then its offsets). The next chunk's tile products are issued before
    this chunk's float work, so the tile unit runs beside it. `scratch`: AMX_J * (CHUNK + 1) * VR
    floats, then 2 * CHUNK_TOTALS int32. */
-static inline __attribute__((always_inline)) void amx_tile(const laid_out *w, int64_t stride,
-                                                           side_by_side x, int64_t k, float *y,
-                                                           int64_t ldy, int64_t rows, int J,
-                                                           const int kind, const int offsets,
-                                                           float *scratch) {
+static inline __attribute__((always_inline)) void
+amx_tile(const laid_out *w, int64_t stride, side_by_side x, int64_t k, float *y, int64_t ldy,
+         int64_t rows, int J, const int kind, const int offsets, float *scratch) {
     const int64_t subs = k / 32;
-    float(*acc)[CHUNK][VR] = (float(*)[CHUNK][VR])scratch;
-    float(*tail)[VR] = (float(*)[VR])(scratch + AMX_J * CHUNK * VR);
+    float (*acc)[CHUNK][VR] = (float (*)[CHUNK][VR])scratch;
+    float (*tail)[VR] = (float (*)[VR])(scratch + AMX_J * CHUNK * VR);
     int32_t *totals = (int32_t *)(scratch + AMX_J * (CHUNK + 1) * VR);
     for (int j = 0; j < J; j++) {
         vrf_store(tail[j], vrf_zero());
@@ -445,9 +443,8 @@ static inline __attribute__((always_inline)) void amx_tile(const laid_out *w, in
 }
 
 /* the types the tile unit serves here: TILE_U32's and TILE_S's (Q6_K keeps VNNI's tiles) */
-static void amx_tile_rows(const laid_out *rows, int64_t stride, side_by_side x, int64_t k,
-                          float *y, int64_t ldy, int64_t rows_here, int J, int form,
-                          float *scratch) {
+static void amx_tile_rows(const laid_out *rows, int64_t stride, side_by_side x, int64_t k, float *y,
+                          int64_t ldy, int64_t rows_here, int J, int form, float *scratch) {
     if (form == TILE_S)
         amx_tile(rows, stride, x, k, y, ldy, rows_here, J, DOT_S, OFFSETS_NONE, scratch);
     else
@@ -469,8 +466,8 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
        24.1 ms, 128 x 8192 x 2048), so it keeps those. */
     const int amx = form != TILE_SCALED16;
     enum { MOST = AMX_J };
-    const int64_t scratch_bytes = (int64_t)(AMX_J * (CHUNK + 1) * VR * sizeof(float) +
-                                            2 * CHUNK_TOTALS * sizeof(int32_t));
+    const int64_t scratch_bytes =
+        (int64_t)(AMX_J * (CHUNK + 1) * VR * sizeof(float) + 2 * CHUNK_TOTALS * sizeof(int32_t));
 #else
     const int amx = 0;
     enum { MOST = TJ };
