@@ -218,6 +218,20 @@ static inline
 #endif
 }
 
+/* a weight row's eight lanes and tail summed (v8_sum's tree: lanes l and l + 4, then those two
+   apart, then the last two) into y[l * ldy] for input rows l < rows */
+static inline void store_total(const float acc[CHUNK][VR], const float tail[VR], float *y,
+                               int64_t ldy, int64_t rows) {
+    vrf t[4];
+    for (int l = 0; l < 4; l++)
+        t[l] = vrf_add(vrf_load(acc[l]), vrf_load(acc[l + 4]));
+    const vrf total = vrf_add(vrf_add(vrf_add(t[0], t[2]), vrf_add(t[1], t[3])), vrf_load(tail));
+    float lanes[VR];
+    vrf_store(lanes, total);
+    for (int64_t l = 0; l < rows; l++)
+        y[l * ldy] = lanes[l];
+}
+
 /* J laid-out weight rows against the VR rows of x: y[l * ldy + j] for rows l < rows. The
    eight canonical lanes of each weight row live in memory (L1), loaded and stored once a
    sub-block: in registers, they and the integer sums' chains did not fit, and the compiler's
@@ -270,18 +284,8 @@ static inline __attribute__((always_inline)) void tile(const laid_out *w, side_b
             }
         }
     }
-    for (int j = 0; j < J; j++) {
-        /* v8_sum's tree: lanes l and l + 4, then those two apart, then the last two */
-        vrf t[4];
-        for (int l = 0; l < 4; l++)
-            t[l] = vrf_add(vrf_load(acc[j][l]), vrf_load(acc[j][l + 4]));
-        const vrf total =
-            vrf_add(vrf_add(vrf_add(t[0], t[2]), vrf_add(t[1], t[3])), vrf_load(tail[j]));
-        float lanes[VR];
-        vrf_store(lanes, total);
-        for (int64_t l = 0; l < rows; l++)
-            y[l * ldy + j] = lanes[l];
-    }
+    for (int j = 0; j < J; j++)
+        store_total(acc[j], tail[j], y + j, ldy, rows);
 }
 
 /* The weight rows' integer product and offsets (weights_q8.h), as one number: the types
@@ -314,35 +318,34 @@ static void tile_rows(const laid_out *rows, side_by_side x, int64_t k, float *y,
    integer totals for 16 laid-out weight rows (the A tile: 16 rows of the sub-block's 32 bytes,
    a laid-out row's stride apart) against the 16 input rows of a vector (the B tile: the
    sub-block's eight groups of four bytes per row, side by side as they already are): 16 x 16
-   totals where the VNNI tile takes 128 dot instructions (Q6_K: two products of 16, its
-   halves). The totals go through L1, a chunk of them at a time, and from there the float work
-   is tile()'s, operation for operation, so each output is the same bits as every other path's. */
+   totals where the VNNI tile takes 128 dot instructions. The totals go through L1, a chunk of them
+   at a time, and from there the float work is tile()'s, operation for operation, so each output is
+   the same bits as every other path's. */
 #define AMX_J 16
 
-/* palette 1: tiles 0-3 the totals (16 weight rows x 16 input rows), 4-5 weight rows (16 x
-   `depth` bytes), 6-7 input groups (depth / 4 x 64 bytes) */
+/* palette 1: tiles 0-3 the totals (16 weight rows x 16 input rows), 4-5 weight rows (16 x 32
+   bytes: a sub-block each), 6-7 input groups (8 x 64 bytes: a sub-block's of 16 rows) */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t bytes_per_row[16];
     uint8_t rows[16];
 } tile_config;
 
-static void load_tile_config(int depth) {
+static void load_tile_config(void) {
     tile_config config = {.palette = 1};
     for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = t >= 4 && t < 6 ? (uint16_t)depth : 64;
-        config.rows[t] = t >= 6 ? (uint8_t)(depth / 4) : 16;
+        config.bytes_per_row[t] = t >= 4 && t < 6 ? 32 : 64;
+        config.rows[t] = t >= 6 ? 8 : 16;
     }
     _tile_loadconfig(&config);
 }
 
-/* total `c` of the product at `depth` bytes `off` into sub-block s (tile numbers are
-   immediates, hence a macro): the weight rows from `ints` (AMX_J rows `stride` apart), the
-   input groups from x */
-#define AMX_TOTAL(c, a, b, s, off, sign)                                                           \
+/* sub-block s's totals into tile c (tile numbers are immediates, hence a macro): the weight
+   rows from `ints` (AMX_J rows `stride` apart) into tile a, the input groups from x into b */
+#define AMX_TOTAL(c, a, b, s, sign)                                                                \
     do {                                                                                           \
-        _tile_loadd(a, ints + 32 * (s) + (off), stride);                                           \
-        _tile_loadd(b, x.groups + (8 * (s) + (off) / 4) * VR, 4 * VR);                             \
+        _tile_loadd(a, ints + 32 * (s), stride);                                                   \
+        _tile_loadd(b, x.groups + 8 * (s) * VR, 4 * VR);                                           \
         _tile_zero(c);                                                                             \
         if (sign)                                                                                  \
             _tile_dpbssd(c, a, b);                                                                 \
@@ -360,13 +363,13 @@ static inline __attribute__((always_inline)) void chunk_totals(const uint8_t *in
     const int sign = kind == DOT_S;
     for (int64_t l = 0; l < n; l += 4) {
         const int64_t s = first + l;
-        AMX_TOTAL(0, 4, 6, s, 0, sign);
+        AMX_TOTAL(0, 4, 6, s, sign);
         if (l + 1 < n)
-            AMX_TOTAL(1, 5, 7, s + 1, 0, sign);
+            AMX_TOTAL(1, 5, 7, s + 1, sign);
         if (l + 2 < n)
-            AMX_TOTAL(2, 4, 6, s + 2, 0, sign);
+            AMX_TOTAL(2, 4, 6, s + 2, sign);
         if (l + 3 < n)
-            AMX_TOTAL(3, 5, 7, s + 3, 0, sign);
+            AMX_TOTAL(3, 5, 7, s + 3, sign);
         _tile_stored(0, totals + l * T, 4 * VR);
         if (l + 1 < n)
             _tile_stored(1, totals + (l + 1) * T, 4 * VR);
@@ -428,18 +431,8 @@ amx_tile(const laid_out *w, int64_t stride, side_by_side x, int64_t k, float *y,
             }
         }
     }
-    for (int j = 0; j < J; j++) {
-        /* tile()'s tree */
-        vrf t[4];
-        for (int l = 0; l < 4; l++)
-            t[l] = vrf_add(vrf_load(acc[j][l]), vrf_load(acc[j][l + 4]));
-        const vrf total =
-            vrf_add(vrf_add(vrf_add(t[0], t[2]), vrf_add(t[1], t[3])), vrf_load(tail[j]));
-        float lanes[VR];
-        vrf_store(lanes, total);
-        for (int64_t l = 0; l < rows; l++)
-            y[l * ldy + j] = lanes[l];
-    }
+    for (int j = 0; j < J; j++)
+        store_total(acc[j], tail[j], y + j, ldy, rows);
 }
 
 /* the types the tile unit serves here: TILE_U32's and TILE_S's (Q6_K keeps VNNI's tiles) */
@@ -482,10 +475,11 @@ static int64_t tiles(lay_out_fn lay_out, int form, const uint8_t *w, int64_t row
 #if defined(PC_ISA_AMX)
     /* a last step's rows past n_end are read by the tile unit and their totals dropped: zero
        rather than whatever malloc left */
-    memset(buf, 0, (size_t)(step * stride));
     float *scratch = (float *)(((uintptr_t)(stored + stored_bytes) + 63) & ~(uintptr_t)63);
-    if (amx)
-        load_tile_config(32);
+    if (amx) {
+        memset(buf, 0, (size_t)(step * stride));
+        load_tile_config();
+    }
 #endif
     int64_t group = -1;
     for (int64_t j = n_begin; j < n_end; j += step) {
