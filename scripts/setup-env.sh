@@ -28,7 +28,7 @@ if [ "$test_packages" = --test-packages ]; then
     apt_install_missing chromium chromium "the browser tests"  # tests/server/test_web.py, Playwright
     # A real Prometheus runs vLLM's dashboard queries (tests/api/observability/test_vllm_dashboard.py)
     apt_install_missing prometheus prometheus "the vLLM dashboard test"
-    # The arm64 CPU kernels, cross-compiled and run under qemu-user (tests/kernels/test_arm64.py)
+    # The arm64 CPU kernels, cross-compiled and run under qemu-user (tests/kernels/test_harness.py)
     apt_install_missing aarch64-linux-gnu-gcc gcc-aarch64-linux-gnu "the arm64 kernel tests"
     apt_install_missing qemu-aarch64 qemu-user "the arm64 kernel tests"
 fi

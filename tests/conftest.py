@@ -65,7 +65,7 @@ def bundled_gguf_parsed_once() -> Iterator[None]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """How many CPU kernel tests ran per version (tests/kernels/cpu_isa.py's `cpu` fixture):
+    """How many CPU kernel tests ran per version (tests/cpu_isa.py's `cpu` fixture):
     a version this CPU cannot execute shows as skipped, never as silently absent."""
     counts: dict[str, collections.Counter[str]] = {}
     for outcome in ("passed", "failed", "error"):

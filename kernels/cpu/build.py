@@ -1,11 +1,11 @@
 """Builds the CPU kernel library: every kernel once per instruction set, one shared library.
 
-The per-ISA sources (quants.c, attention.c, ops.c) are compiled once for each version of
-this architecture with that version's flags and `-DPC_ISA=<name>`, which suffixes every
-exported name (`pc_gemv_avx2`); stack.c, its parts (helper.c, context_views.c) and features.c
-once, for the baseline. Nothing is compiled for the machine that builds it (no -march=native):
-the same file runs on every CPU of the architecture, and kernels/cpu/dispatch.py picks the
-versions when it loads.
+The per-ISA sources (PER_ISA_SOURCES) are compiled once for each version of this
+architecture with that version's flags and `-DPC_ISA=<name>`, which suffixes every exported
+name (`pc_gemv_avx2`); the rest (ONCE_SOURCES: stack.c and its parts, features.c, rows_x8.c,
+abi.c) once, for the baseline. Nothing is compiled for the machine that builds it (no
+-march=native): the same file runs on every CPU of the architecture, and
+kernels/cpu/dispatch.py picks the versions when it loads.
 
 Only the standard library here: the Dockerfile's build stage runs it without torch
 (`python -m kernels.cpu.build --output libpagechat_cpu.so`).
@@ -26,7 +26,7 @@ SOURCE_DIR = Path(__file__).with_name("src")
 PER_ISA_SOURCES = (
     "quants.c", "products_q8.c", "tiles_q8.c", "attention.c", "ops.c", "sample.c",
 )  # fmt: skip
-ONCE_SOURCES = ("stack.c", "helper.c", "context_views.c", "features.c", "rows_x8.c")
+ONCE_SOURCES = ("stack.c", "helper.c", "context_views.c", "features.c", "rows_x8.c", "abi.c")
 HEADERS = (
     "pagechat_cpu.h",
     "simd.h",
@@ -189,7 +189,7 @@ SANITIZERS = (
     "-fno-sanitize-recover=all",
     "-fno-omit-frame-pointer",
 )
-WARNINGS = ("-Wall", "-Wextra", "-Wshadow", "-Werror")
+WARNINGS = ("-Wall", "-Wextra", "-Wshadow", "-Wmissing-prototypes", "-Werror")
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> None:

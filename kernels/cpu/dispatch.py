@@ -31,11 +31,10 @@ import torch
 from kernels.cpu import build, ops
 from kernels.cpu.formats import REGROUPED, Blocks, WeightType, random_blocks
 from kernels.cpu.library import library
+from kernels.cpu.structs import INT8_TABLE_FIELDS, STACK_KERNELS, CKernels
 
 log = logging.getLogger(__name__)
 
-# The decode stack's table's kernels, in pc_kernels' order (before its int8 entries).
-STACK_KERNELS = ("gemv", "attend", "rms_norm", "rope_write", "silu_mul", "gelu_tanh_mul")
 # Every kernel with a version per ISA.
 KERNELS = (
     *STACK_KERNELS, "dequant", "dequant_rows", "sample", "gemv_q8", "quantize_q8",
@@ -45,16 +44,10 @@ KERNELS = (
 MATMUL_INPUTS = ("fp32", "int8")
 
 
-# The int8 products' entry points in pc_kernels after STACK_KERNELS (NULL with fp32 inputs):
-# one version for all three, gemv_q8's (an input prepared by one version is read by its own).
+# The int8 products' entry points filling pc_kernels' INT8_TABLE_FIELDS (NULL with fp32
+# inputs): one version for all three, gemv_q8's (an input prepared by one version is read by
+# its own).
 INT8_ENTRIES = ("q8_prepared_bytes", "q8_prepare", "gemv_q8_prepared")
-_TABLE_FIELDS = ("prepared_bytes", "prepare", "gemv_prepared")
-
-
-class CKernels(ctypes.Structure):
-    """pc_kernels: the table of chosen versions stack.c calls through."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (*STACK_KERNELS, *_TABLE_FIELDS)]
 
 
 def names() -> tuple[str, ...]:
@@ -90,7 +83,7 @@ class KernelSet:
             addresses = {k: ctypes.cast(self.fn(k), ctypes.c_void_p).value for k in STACK_KERNELS}
             if self.matmul_inputs == "int8":
                 isa = self.chosen["gemv_q8"]
-                for field_name, entry in zip(_TABLE_FIELDS, INT8_ENTRIES, strict=True):
+                for field_name, entry in zip(INT8_TABLE_FIELDS, INT8_ENTRIES, strict=True):
                     fn = getattr(self.lib, f"pc_{entry}_{isa}")
                     addresses[field_name] = ctypes.cast(fn, ctypes.c_void_p).value
             self._table.append(CKernels(**addresses))

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from kernels.cpu import build
+from kernels.cpu import build, structs
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("could not build the CPU kernels (%s %s)", exc, detail.decode()[-800:])
         return None
     declare(lib)
+    structs.check_layouts(lib)  # a mismatch raises: never run kernels on shifted fields
     return lib
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kernels.cpu.formats import Blocks
+from kernels.cpu.structs import MAX_PARTS, CAttention, CProjection
 
 if TYPE_CHECKING:
     from kernels.cpu.dispatch import KernelSet
@@ -27,49 +28,8 @@ if TYPE_CHECKING:
 # Element types of caches and dense outputs, as pagechat_cpu.h numbers them.
 ELEMENT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 512
-MAX_PARTS = 3
 
 _OK, _NO_MEMORY, _BAD_SHAPE = 0, 1, 2
-
-
-class CWeight(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("row_bytes", ctypes.c_int64),
-        ("data", ctypes.c_void_p),
-    ]
-
-
-class CProjection(ctypes.Structure):
-    _fields_ = [
-        ("part", CWeight * MAX_PARTS),
-        ("parts", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-    ]
-
-
-class CAttention(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("q_stride", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("cache_type", ctypes.c_int64),
-        ("slots", ctypes.c_void_p),
-        ("slot_stride", ctypes.c_int64),
-        ("seq_lens", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("scores", ctypes.c_void_p),
-        ("hq", ctypes.c_int64),
-        ("hkv", ctypes.c_int64),
-        ("d", ctypes.c_int64),
-        ("scale", ctypes.c_float),
-        ("peaks", ctypes.c_void_p),
-        ("totals", ctypes.c_void_p),
-    ]
 
 
 def projection(parts: Sequence[Blocks]) -> CProjection:

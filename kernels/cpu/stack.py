@@ -16,6 +16,13 @@ from torch import Tensor
 from kernels.cpu import ops, topology
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks
+from kernels.cpu.structs import (
+    MAX_GROUPS,
+    MAX_ROPES,
+    CDecoderLayer,
+    CDecoderShape,
+    CStepRows,
+)
 from kernels.metadata import AttentionMetadata
 
 _STATUS = {
@@ -23,66 +30,8 @@ _STATUS = {
     ops._BAD_SHAPE: (ValueError, "pc_decode_layers declined these weights, heads or rows"),
     3: (ValueError, "a write slot, block or length outside the KV pool"),
 }
-# pagechat_cpu.h's limits: the layer groups with a pool each, the RoPE tables a step carries.
-MAX_GROUPS = 2
-MAX_ROPES = 2
 # The MLP's activations the stack takes, as pagechat_cpu.h numbers them.
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
-
-
-class CDecoderLayer(ctypes.Structure):
-    """One decoder layer's weights and caches as pc_decode_layers reads them (NULL: a feature
-    the family lacks)."""
-
-    _fields_ = [
-        ("proj", ops.CProjection * 4),  # qkv, o_proj, gate_up, down
-        ("attn_norm", ctypes.c_void_p),
-        ("mlp_norm", ctypes.c_void_p),
-        ("k_cache", ctypes.c_void_p),  # [slots, Hkv, D] of the shape's cache_type
-        ("v_cache", ctypes.c_void_p),
-        ("qkv_bias", ctypes.c_void_p),
-        ("o_bias", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("post_attn_norm", ctypes.c_void_p),
-        ("post_mlp_norm", ctypes.c_void_p),
-        ("group", ctypes.c_int64),
-        ("rope", ctypes.c_int64),
-        ("window", ctypes.c_int64),  # 0: the whole context
-    ]
-
-
-class CDecoderShape(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", ctypes.c_int64),
-        ("hidden", ctypes.c_int64),
-        ("intermediate", ctypes.c_int64),
-        ("num_q_heads", ctypes.c_int64),
-        ("num_kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("rms_norm_eps", ctypes.c_float),
-        ("scale", ctypes.c_float),  # the attention's, on q . k
-        ("activation", ctypes.c_int64),  # ACTIVATIONS
-        # the KV pools' (set by DecoderStack)
-        ("block_size", ctypes.c_int64),
-        ("cache_type", ctypes.c_int64),
-        ("groups", ctypes.c_int64),
-        ("cache_blocks", ctypes.c_int64 * MAX_GROUPS),
-    ]
-
-
-class CStepRows(ctypes.Structure):
-    """pc_step_rows: a step's rows, built per call from `StackRows` and the RoPE rows."""
-
-    _fields_ = [
-        ("m", ctypes.c_int64),
-        ("seq_lens", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p * MAX_ROPES),
-        ("sin", ctypes.c_void_p * MAX_ROPES),
-        ("write_slots", ctypes.c_void_p * MAX_GROUPS),
-        ("block_tables", ctypes.c_void_p * MAX_GROUPS),
-        ("table_width", ctypes.c_int64 * MAX_GROUPS),
-    ]
 
 
 @dataclass(frozen=True, slots=True)

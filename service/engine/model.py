@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
-from kernels.cpu.stack import ACTIVATIONS, CDecoderShape, DecoderStack, StackLayer, StackRows
+from kernels.cpu.stack import ACTIVATIONS, DecoderStack, StackLayer, StackRows
+from kernels.cpu.structs import CDecoderShape
 from kernels.metadata import AttentionMetadata
 from service.engine.quant import (
     HEAD_TYPE,

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from kernels.cpu import ops
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import REGROUPED, Blocks, WeightType
+from kernels.cpu.structs import MAX_PARTS
 
 # The packed formats, named by the dtype a config asks for them with, and the type a dense
 # weight is quantized to in each.
@@ -54,8 +55,8 @@ class PackedWeight:
     def __post_init__(self) -> None:
         if not self.parts or len({p.k for p in self.parts}) != 1:
             raise ValueError("a packed weight is one or more block weights of one k")
-        if len(self.parts) > ops.MAX_PARTS:
-            raise ValueError(f"at most {ops.MAX_PARTS} parts of different types")
+        if len(self.parts) > MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} parts of different types")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,13 +125,13 @@ def quantize(w: Tensor, kind: WeightType) -> PackedWeight:
 def cat_rows(parts: Sequence[Weight]) -> Weight:
     """Stack weights along the outputs (q, k, v into one qkv): dense ones into one tensor,
     packed ones as one part each, so that their blocks stay where they are (a GGUF's stay in
-    its map: no copy); past `ops.MAX_PARTS` parts, each run of a type is joined into one."""
+    its map: no copy); past `MAX_PARTS` parts, each run of a type is joined into one."""
     if all(isinstance(p, Tensor) for p in parts):
         return torch.cat([p for p in parts if isinstance(p, Tensor)])
     if not all(isinstance(p, PackedWeight) for p in parts):
         raise ValueError("stack packed weights with packed weights: quantize the dense ones")
     blocks = [b for p in parts if isinstance(p, PackedWeight) for b in p.parts]
-    if len(blocks) <= ops.MAX_PARTS:
+    if len(blocks) <= MAX_PARTS:
         return PackedWeight(tuple(blocks))
     merged: list[Blocks] = []
     for b in blocks:

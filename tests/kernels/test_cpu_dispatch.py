@@ -210,6 +210,8 @@ def test_every_version_compiles_without_a_warning(tmp_path: Path, arch: str) -> 
     if shutil.which(compiler) is None:
         pytest.skip(f"no {compiler} (apt-get install gcc-{arch.replace('_', '-')}-linux-gnu)")
     commands = build.compile_commands(compiler, arch, tmp_path, build.WARNINGS)
-    for command in commands:
+    harness = [compiler, *build.COMMON_FLAGS, *build.WARNINGS, f"-I{build.SOURCE_DIR}", "-c",
+               str(build.SOURCE_DIR / "harness.c"), "-o", str(tmp_path / "harness.o")]  # fmt: skip
+    for command in [*commands, harness]:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{' '.join(command[-3:])}:\n{done.stderr[-3000:]}"

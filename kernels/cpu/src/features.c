@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pagechat_cpu.h"
+
 #if defined(__x86_64__)
 #include <sys/syscall.h>
 #include <unistd.h>

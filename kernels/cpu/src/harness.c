@@ -21,60 +21,37 @@
 
 #include "pagechat_cpu.h"
 
-int64_t pc_cpu_runs(const char *isa);
-int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
-                        int64_t m, float *y, int64_t threads);
-
-#define DECLARE(isa)                                                                               \
-    int64_t pc_gemv_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,      \
-                          float *, int64_t, int64_t, int64_t);                                     \
-    int64_t pc_gemv_q8_##isa(int64_t, const uint8_t *, int64_t, const float *, int64_t, int64_t,   \
-                             float *, int64_t, int64_t, int64_t);                                  \
-    int64_t pc_q8_prepared_bytes_##isa(int64_t, int64_t);                                          \
-    void pc_q8_prepare_##isa(const float *, int64_t, int64_t, uint8_t *);                          \
-    int64_t pc_gemv_q8_prepared_##isa(int64_t, const uint8_t *, int64_t, const uint8_t *, int64_t, \
-                                      int64_t, float *, int64_t, int64_t, int64_t);                \
-    int64_t pc_dequant_##isa(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *, \
-                             int64_t, int64_t);                                                    \
-    int64_t pc_attend_##isa(const pc_attention *, int64_t, int64_t, int64_t);                      \
-    void pc_rms_norm_##isa(const float *, const float *, float *, int64_t, int64_t, float);        \
-    void pc_rope_write_##isa(float *, int64_t, int64_t, int64_t, int64_t, int64_t, const float *,  \
-                             const float *, const int64_t *, void *, void *, int64_t);             \
-    void pc_silu_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);                     \
-    void pc_gelu_tanh_mul_##isa(const float *, float *, int64_t, int64_t, int64_t);                \
-    int64_t pc_sample_##isa(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,   \
-                            const float *, const float *, const double *, int64_t *);
-
 typedef struct {
     const char *name;
     pc_kernels kernels;
     pc_kernels int8; /* the same with int8 products */
-    int64_t (*dequant)(int64_t, const uint8_t *, int64_t, int64_t, int64_t, int64_t, void *,
-                       int64_t, int64_t);
-    int64_t (*sample)(const float *, int64_t, int64_t, int64_t, const uint32_t *, int64_t,
-                      const float *, const float *, const double *, int64_t *);
+    pc_dequant_fn *dequant;
+    pc_sample_fn *sample;
 } version;
 
 #define VERSION(isa)                                                                               \
-    {#isa,                                                                                         \
-     {pc_gemv_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa, pc_silu_mul_##isa,   \
-      pc_gelu_tanh_mul_##isa},                                                                     \
-     {pc_gemv_q8_##isa, pc_attend_##isa, pc_rms_norm_##isa, pc_rope_write_##isa,                   \
-      pc_silu_mul_##isa, pc_gelu_tanh_mul_##isa, pc_q8_prepared_bytes_##isa, pc_q8_prepare_##isa,  \
-      pc_gemv_q8_prepared_##isa},                                                                  \
-     pc_dequant_##isa,                                                                             \
-     pc_sample_##isa}
+    {.name = #isa,                                                                                 \
+     .kernels = {.gemv = pc_gemv_##isa,                                                            \
+                 .attend = pc_attend_##isa,                                                        \
+                 .rms_norm = pc_rms_norm_##isa,                                                    \
+                 .rope_write = pc_rope_write_##isa,                                                \
+                 .silu_mul = pc_silu_mul_##isa,                                                    \
+                 .gelu_tanh_mul = pc_gelu_tanh_mul_##isa},                                         \
+     .int8 = {.gemv = pc_gemv_q8_##isa,                                                            \
+              .attend = pc_attend_##isa,                                                           \
+              .rms_norm = pc_rms_norm_##isa,                                                       \
+              .rope_write = pc_rope_write_##isa,                                                   \
+              .silu_mul = pc_silu_mul_##isa,                                                       \
+              .gelu_tanh_mul = pc_gelu_tanh_mul_##isa,                                             \
+              .prepared_bytes = pc_q8_prepared_bytes_##isa,                                        \
+              .prepare = pc_q8_prepare_##isa,                                                      \
+              .gemv_prepared = pc_gemv_q8_prepared_##isa},                                         \
+     .dequant = pc_dequant_##isa,                                                                  \
+     .sample = pc_sample_##isa}
 
 #if defined(__aarch64__)
-DECLARE(generic)
-DECLARE(neon)
 static const version versions[] = {VERSION(generic), VERSION(neon)};
 #else
-DECLARE(generic)
-DECLARE(avx2)
-DECLARE(avx512)
-DECLARE(vnni)
-DECLARE(amx)
 static const version versions[] = {VERSION(generic), VERSION(avx2), VERSION(avx512), VERSION(vnni),
                                    VERSION(amx)};
 #endif
@@ -220,7 +197,7 @@ int main(int argc, char **argv) {
     if ((strcmp(op, "silu_mul") == 0 || strcmp(op, "gelu_tanh_mul") == 0) && n == 4) {
         const int64_t m = num(a[0]), inter = num(a[1]);
         float *out = take(sizeof(float) * (size_t)(m * inter));
-        const pc_gated_fn gated =
+        pc_gated_fn *const gated =
             strcmp(op, "silu_mul") == 0 ? v->kernels.silu_mul : v->kernels.gelu_tanh_mul;
         gated(load(a[2], NULL), out, inter, 0, m * inter);
         save(a[3], out, sizeof(float) * (size_t)(m * inter));

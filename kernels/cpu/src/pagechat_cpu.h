@@ -68,43 +68,84 @@ typedef struct {
     float *peaks, *totals;
 } pc_attention;
 
-/* The kernels a decode step runs, one version each (dispatch.py fills it). */
-typedef int64_t (*pc_gemv_fn)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
-                              int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
-                              int64_t n_end);
-typedef int64_t (*pc_attend_fn)(const pc_attention *a, int64_t begin, int64_t end,
-                                int64_t context_range);
-typedef void (*pc_rms_norm_fn)(const float *x, const float *w, float *out, int64_t rows, int64_t d,
-                               float eps);
-typedef void (*pc_rope_write_fn)(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq, int64_t hkv,
-                                 int64_t d, const float *cos, const float *sin,
-                                 const int64_t *slots, void *k_cache, void *v_cache,
-                                 int64_t cache_type);
+/* The kernels with a version per instruction set, as function types: each version of kernel
+   <name> is exported as pc_<name>_<isa> (PC_DECLARE_VERSION below declares them all), and
+   kernels/cpu/library.py declares the same prototypes to ctypes (a test compares the two).
+   Every one but quantize_q8 and the int8 preparation returns a PC_ status. */
+
+/* y[r, n_begin:n_end] (row r at y + r * ldy) = the m input rows x [m, k] times weight rows
+   [n_begin, n_end) of type `type` (row_bytes apart), fp32 inputs (gemv) or int8 (gemv_q8) */
+typedef int64_t pc_gemv_fn(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
+                           int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                           int64_t n_end);
+/* rows [r_begin, r_end) of a weight dequantized into out (ld apart, element type out_type) */
+typedef int64_t pc_dequant_fn(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
+                              int64_t r_begin, int64_t r_end, void *out, int64_t ld,
+                              int64_t out_type);
+/* the `count` rows `ids` of a weight (embedding lookups) dequantized into fp32 out */
+typedef int64_t pc_dequant_rows_fn(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,
+                                   const int64_t *ids, int64_t count, float *out);
+typedef int64_t pc_attend_fn(const pc_attention *a, int64_t begin, int64_t end,
+                             int64_t context_range);
+typedef void pc_rms_norm_fn(const float *x, const float *w, float *out, int64_t rows, int64_t d,
+                            float eps);
+typedef void pc_rope_write_fn(float *qkv, int64_t m, int64_t qkv_stride, int64_t hq, int64_t hkv,
+                              int64_t d, const float *cos, const float *sin, const int64_t *slots,
+                              void *k_cache, void *v_cache, int64_t cache_type);
 /* The MLP's activations of the gate (times up), and their kernels: act(gate) * up for elements
    [begin, end) of [m, inter], from gate_up [m, 2 inter]. */
 enum { PC_SILU = 0, PC_GELU_TANH = 1 };
-typedef void (*pc_gated_fn)(const float *gate_up, float *out, int64_t inter, int64_t begin,
-                            int64_t end);
-/* Products with int8 inputs (products_q8.c): the bytes an input [m, k] takes once prepared,
-   its preparation (once, whatever the threads sharing its products), the products from it. */
-typedef int64_t (*pc_prepared_bytes_fn)(int64_t m, int64_t k);
-typedef void (*pc_prepare_fn)(const float *x, int64_t m, int64_t k, uint8_t *out);
-typedef int64_t (*pc_gemv_prepared_fn)(int64_t type, const uint8_t *w, int64_t row_bytes,
-                                       const uint8_t *prepared, int64_t m, int64_t k, float *y,
-                                       int64_t ldy, int64_t n_begin, int64_t n_end);
+typedef void pc_gated_fn(const float *gate_up, float *out, int64_t inter, int64_t begin,
+                         int64_t end);
+/* Products with int8 inputs (products_q8.c): x [m, k] as int8 rows (pc_q8_row_bytes each);
+   the bytes an input takes once prepared, its preparation (once, whatever the threads sharing
+   its products), the products from it. */
+typedef void pc_quantize_q8_fn(const float *x, int64_t m, int64_t k, uint8_t *out);
+typedef int64_t pc_prepared_bytes_fn(int64_t m, int64_t k);
+typedef void pc_prepare_fn(const float *x, int64_t m, int64_t k, uint8_t *out);
+typedef int64_t pc_gemv_prepared_fn(int64_t type, const uint8_t *w, int64_t row_bytes,
+                                    const uint8_t *prepared, int64_t m, int64_t k, float *y,
+                                    int64_t ldy, int64_t n_begin, int64_t n_end);
+/* One token per row of logits [rows, vocab] (stride apart), sample.c says how. */
+typedef int64_t pc_sample_fn(const float *logits, int64_t rows, int64_t vocab, int64_t stride,
+                             const uint32_t *allowed, int64_t words, const float *temps,
+                             const float *min_p, const double *uniforms, int64_t *out);
 
+#define PC_DECLARE_VERSION(isa)                                                                    \
+    pc_gemv_fn pc_gemv_##isa, pc_gemv_q8_##isa;                                                    \
+    pc_dequant_fn pc_dequant_##isa;                                                                \
+    pc_dequant_rows_fn pc_dequant_rows_##isa;                                                      \
+    pc_attend_fn pc_attend_##isa;                                                                  \
+    pc_rms_norm_fn pc_rms_norm_##isa;                                                              \
+    pc_rope_write_fn pc_rope_write_##isa;                                                          \
+    pc_gated_fn pc_silu_mul_##isa, pc_gelu_tanh_mul_##isa;                                         \
+    pc_quantize_q8_fn pc_quantize_q8_##isa;                                                        \
+    pc_prepared_bytes_fn pc_q8_prepared_bytes_##isa;                                               \
+    pc_prepare_fn pc_q8_prepare_##isa;                                                             \
+    pc_gemv_prepared_fn pc_gemv_q8_prepared_##isa;                                                 \
+    pc_sample_fn pc_sample_##isa;
+
+/* kernels/cpu/build.py's versions of every architecture */
+PC_DECLARE_VERSION(generic)
+PC_DECLARE_VERSION(avx2)
+PC_DECLARE_VERSION(avx512)
+PC_DECLARE_VERSION(vnni)
+PC_DECLARE_VERSION(amx)
+PC_DECLARE_VERSION(neon)
+
+/* The kernels a decode step runs, one version each (dispatch.py fills it, field by name). */
 typedef struct {
-    pc_gemv_fn gemv;
-    pc_attend_fn attend;
-    pc_rms_norm_fn rms_norm;
-    pc_rope_write_fn rope_write;
-    pc_gated_fn silu_mul;
-    pc_gated_fn gelu_tanh_mul;
+    pc_gemv_fn *gemv;
+    pc_attend_fn *attend;
+    pc_rms_norm_fn *rms_norm;
+    pc_rope_write_fn *rope_write;
+    pc_gated_fn *silu_mul;
+    pc_gated_fn *gelu_tanh_mul;
     /* int8 inputs: the projections' inputs prepared once and their products from them
        (gemv then unused); NULL, all three, where the products take fp32 inputs */
-    pc_prepared_bytes_fn prepared_bytes;
-    pc_prepare_fn prepare;
-    pc_gemv_prepared_fn gemv_prepared;
+    pc_prepared_bytes_fn *prepared_bytes;
+    pc_prepare_fn *prepare;
+    pc_gemv_prepared_fn *gemv_prepared;
 } pc_kernels;
 
 /* A weight: GGUF blocks, n rows of row_bytes. */
@@ -164,6 +205,34 @@ typedef struct {
     const int32_t *block_tables[PC_MAX_GROUPS];         /* [m, table_width] */
     int64_t table_width[PC_MAX_GROUPS];
 } pc_step_rows;
+
+/* The entry points compiled once (each file's comment says more). */
+/* 1 where the version named `isa` runs on this CPU (features.c) */
+int64_t pc_cpu_runs(const char *isa);
+/* y [m, w->n] = x [m, k] w^T through the table's product, split between `threads` (stack.c) */
+int64_t pc_gemv_threads(const pc_kernels *kernels, const pc_projection *w, const float *x,
+                        int64_t m, float *y, int64_t threads);
+/* every layer of a decode step in one call (stack.c) */
+int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *layers,
+                         const pc_decoder_shape *shape, float *x, const pc_step_rows *rows,
+                         int64_t threads, int64_t *matmul_ns);
+/* a weight's rows regrouped eight at a time, in place, or back (rows_x8.c) */
+int64_t pc_rows_x8(int64_t type, uint8_t *w, int64_t row_bytes, int64_t n, int64_t to_x8);
+
+/* The layout of every struct above that Python fills (abi.c): its size and each field's offset
+   and size, by name, which kernels/cpu/library.py compares with its ctypes mirrors when it
+   loads the library (a mirror that drifted would pass wrong pointers in silence). */
+typedef struct {
+    const char *name;
+    int64_t offset, size;
+} pc_field_layout;
+typedef struct {
+    const char *name;
+    int64_t size, fields;
+    const pc_field_layout *field;
+} pc_struct_layout;
+/* the table of layouts, and its length in *count */
+const pc_struct_layout *pc_struct_layouts(int64_t *count);
 
 /* Int8 input rows (products_q8.c): a row of k inputs (k a multiple of 32) as
    pc_q8_row_bytes(k) bytes: k int8 values q, then a float scale d per 32 (x ~ d q), then per

@@ -477,14 +477,6 @@ static void few_x8(int64_t type, const uint8_t *w, int64_t row_bytes, const uint
     }
 }
 
-/* The many rows' side by side and their products (tiles_q8.c). */
-int64_t PC_FN(q8_vector_rows)(void);
-int64_t PC_FN(q8_side_by_side_bytes)(int64_t m, int64_t k);
-void PC_FN(q8_side_by_side)(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out);
-int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
-                        int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
-                        int64_t n_end);
-
 /* Input rows a product of many takes in one pass over the weights: as many as keep their
    side-by-side layout under INPUT_BYTES, a whole number of vectors of them, so that those
    rows stay in L2 while each weight row streams past them (as quants.c's). */

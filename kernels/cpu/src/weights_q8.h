@@ -123,4 +123,13 @@ static inline int16_t q6_scale(const uint8_t *block, int64_t g) {
 enum { DOT_U, DOT_S, DOT_SCALED };
 enum { OFFSETS_NONE, OFFSETS_32, OFFSETS_16 };
 
+/* The products of many input rows (tiles_q8.c), which products_q8.c's entry points call: how
+   many rows a vector holds, the bytes and layout of the rows side by side, their products. */
+int64_t PC_FN(q8_vector_rows)(void);
+int64_t PC_FN(q8_side_by_side_bytes)(int64_t m, int64_t k);
+void PC_FN(q8_side_by_side)(const uint8_t *xq, int64_t m, int64_t k, uint8_t *out);
+int64_t PC_FN(q8_tiles)(int64_t type, const uint8_t *w, int64_t row_bytes, const uint8_t *inputs,
+                        int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                        int64_t n_end);
+
 #endif
