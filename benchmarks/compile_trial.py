@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from service.engine.config import WEIGHT_FORMATS
 from service.engine.loader import load_model
 from service.engine.model import DecoderLayer, apply_rope
+from service.engine.plan import WEIGHT_FORMATS
 
 Block = Callable[[torch.Tensor], torch.Tensor]
 

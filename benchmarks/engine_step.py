@@ -57,7 +57,7 @@ from torch import nn
 from kernels.cpu import topology
 from kernels.cpu.dispatch import cpu_description
 from kernels.cpu.stack import DecoderStack
-from service.engine.config import EngineConfig, dtype_name
+from service.engine.config import EngineConfig
 from service.engine.cuda_graphs import (
     CudaDecodeGraphs,
     EagerDecodeGraphs,
@@ -68,6 +68,7 @@ from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
 from service.engine.model import Linear, LlamaModel
 from service.engine.params import SamplingParams
+from service.engine.plan import dtype_name, plan_engine
 from service.engine.quant import QuantLinear
 from service.engine.scheduler import StepBatch
 from service.engine.values import StepTiming
@@ -367,8 +368,8 @@ def synthetic_main(args: argparse.Namespace) -> int:
     from benchmarks.kernels import measure_copy
     from benchmarks.synthetic import build, weight_read_bytes
 
-    probe = EngineConfig(dtype=args.dtype)
-    device, dtype = probe.torch_device(), probe.torch_dtype()
+    probe = plan_engine(EngineConfig(dtype=args.dtype))
+    device, dtype = probe.device, probe.activation_dtype
     copy_ms, copy_gbps = measure_copy(device, (2 << 30) if device.type == "cuda" else (256 << 20))
     # Row by row as measured, so a run cut short still reports what it timed.
     _print_header(device, dtype, copy_ms, copy_gbps, args)

@@ -40,7 +40,7 @@ from benchmarks.kv_replay import (
     replay,
 )
 from benchmarks.workload import Request, Trace, WorkloadConfig, generate
-from service.engine.blocks import AllocationMode
+from service.engine.config import AllocationMode
 
 
 def summarize(alloc: Allocator, t: ReplayStats, budget_tokens: int) -> dict[str, Any]:

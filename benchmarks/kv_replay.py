@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from benchmarks.workload import Arrivals, Request, Trace, answer_token_ids
-from service.engine.blocks import AllocationMode, BlockManager, PagedSequence, PrefixHit
-from service.engine.config import PreemptionMode
+from service.engine.blocks import BlockManager, PagedSequence, PrefixHit
+from service.engine.config import AllocationMode, PreemptionMode
 from service.engine.params import SamplingParams
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence, SequenceStatus

@@ -47,6 +47,7 @@ from kernels.cpu.formats import WeightType
 from service.engine.config import EngineConfig
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import LlamaModel
+from service.engine.plan import plan_engine
 from service.engine.quant import PackedWeight, Weight, dense, quantize
 
 TEXT = Path(__file__).resolve().parent / "data" / "alice-ch1-2.txt"
@@ -256,12 +257,12 @@ def load_format(
     if reference is not None:  # the reference's dense weights cast, not the file read again
         built = LlamaModel.from_weights(
             reference.args, reference.model.state_dict(), torch.float32, torch.device("cpu"),
-            weight_dtype=config.torch_weight_dtype(),
+            weight_dtype=plan_engine(config).weight_dtype,
         )  # fmt: skip
         return LoadedModel(
             built, reference.args, reference.tokenizer, reference.model_id, name, reference.family
         )
-    return load_model(config.model, torch.float32, weight_dtype=config.torch_weight_dtype())
+    return load_model(config.model, torch.float32, weight_dtype=plan_engine(config).weight_dtype)
 
 
 def quantized_weights(

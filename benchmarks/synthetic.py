@@ -196,6 +196,7 @@ def _shapes() -> int:
 
 def _serve(argv: Sequence[str]) -> int:
     """`pagechat serve` over a synthetic model built in this process."""
+    from service.engine.plan import plan_engine
     from service.server.options import add_arguments, config_from_args
     from service.server.serve import serve
 
@@ -204,9 +205,9 @@ def _serve(argv: Sequence[str]) -> int:
     parser.add_argument("--weights-seed", type=int, default=0)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    engine = config_from_args(args).engine
+    plan = plan_engine(config_from_args(args).engine)
     loaded = build(
-        args.shape, device=engine.torch_device(), dtype=engine.torch_dtype(), seed=args.weights_seed
+        args.shape, device=plan.device, dtype=plan.activation_dtype, seed=args.weights_seed
     )
     return serve(args, loaded)
 

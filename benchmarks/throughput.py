@@ -38,11 +38,11 @@ import torch
 
 from benchmarks.engine_step import SyncedForward
 from benchmarks.workload import Arrivals, Request, WorkloadConfig, generate
-from service.engine.blocks import AllocationMode
-from service.engine.config import EngineConfig
+from service.engine.config import AllocationMode, EngineConfig
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel, load_model
 from service.engine.params import SamplingParams
+from service.engine.plan import plan_engine
 
 
 @dataclass(slots=True, frozen=True)
@@ -198,16 +198,14 @@ def main() -> int:
     args = parser.parse_args()
 
     probe = EngineConfig(dtype=args.dtype)
+    plan = plan_engine(probe)
     if args.synthetic:
         from benchmarks.synthetic import build
 
-        loaded = build(args.synthetic, device=probe.torch_device(), dtype=probe.torch_dtype())
+        loaded = build(args.synthetic, device=plan.device, dtype=plan.activation_dtype)
     else:
         loaded = load_model(
-            None,
-            dtype=probe.torch_dtype(),
-            device=probe.torch_device(),
-            weight_dtype=probe.torch_weight_dtype(),
+            None, dtype=plan.activation_dtype, device=plan.device, weight_dtype=plan.weight_dtype
         )
     config = trace_config(args.conversations, args.seed, args.rate, args.max_model_len)
     paged, contiguous = AllocationMode.PAGED, AllocationMode.CONTIGUOUS
@@ -231,13 +229,11 @@ def main() -> int:
         )
     result = {
         "model": loaded.model_id,
-        "device": str(probe.torch_device()),
+        "device": str(plan.device),
         "random_weights": bool(args.synthetic),
         "dtype": str(loaded.model.activation_dtype),
         # Synthetic models hold every weight in the activations' dtype.
-        "weight_dtype": str(
-            loaded.model.activation_dtype if args.synthetic else probe.torch_weight_dtype()
-        ),
+        "weight_dtype": str(loaded.model.activation_dtype if args.synthetic else plan.weight_dtype),
         "threads": torch.get_num_threads(),
         "block_size": probe.block_size,
         "max_model_len": args.max_model_len,

@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from service.engine.config import dtype_name
 from service.engine.engine import LLMEngine
 from service.engine.params import SamplingParams, StructuredOutput
+from service.engine.plan import dtype_name
 from service.engine.tokenizer import Tokenizer
 from service.engine.values import (
     CacheScope,

@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from service.engine.config import AllocationMode
 from service.engine.values import (
     BlockStats,
     CacheScope,
@@ -88,11 +89,6 @@ class Block:
     slot: int
     ref_count: int = 0
     block_hash: int | None = None
-
-
-class AllocationMode(enum.Enum):
-    PAGED = "paged"  # blocks taken on demand, one at a time
-    CONTIGUOUS = "contiguous"  # max_model_len reserved per sequence at admission
 
 
 @dataclass(slots=True, frozen=True)

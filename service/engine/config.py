@@ -1,4 +1,9 @@
-"""Engine configuration: one validated dataclass, documented defaults.
+"""Engine configuration: one validated dataclass of plain values, documented defaults.
+
+Reading a config runs nothing: what its "auto" values come to on this machine (the device,
+the dtypes, the CPU kernels, the start-up trial) is resolved once, by
+service/engine/plan.py's `plan_engine`, and handed down as an `EnginePlan`. This module
+imports no torch and no kernel library.
 
 Defaults were chosen by measuring on the 2-core CPU machines this project runs on; the
 measurements are in docs/perf-history.md (most in "Measured before the project") and
@@ -38,13 +43,14 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from kernels.cpu import dispatch, topology
-from service.engine.blocks import AllocationMode
-from service.engine.dtype_trial import fastest_cpu_dtypes
+from kernels.cpu import build, topology
 from service.engine.kvtier.config import KVTierConfig
 from service.settings import setting
+
+
+class AllocationMode(enum.Enum):
+    PAGED = "paged"  # blocks taken on demand, one at a time
+    CONTIGUOUS = "contiguous"  # max_model_len reserved per sequence at admission
 
 
 class PreemptionMode(enum.Enum):
@@ -232,126 +238,35 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if not 0 <= self.decode_threads <= topology.MAX_THREADS:
             raise ValueError(f"decode_threads must be 0 (auto) or 1 to {topology.MAX_THREADS}")
-        if self.weights != "auto" and self.weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMATS)}")
+        if self.weights != "auto" and self.weights not in WEIGHT_FORMAT_NAMES:
+            raise ValueError(f"weights must be auto or one of {sorted(WEIGHT_FORMAT_NAMES)}")
         if self.weights != "auto" and self.weight_dtype != "auto":
             raise ValueError("give weights or weight_dtype, not both")
         if self.cpu_isa != "auto" and self.cpu_isa not in ALL_ISAS:
             raise ValueError(f"cpu_isa must be auto or one of {list(ALL_ISAS)}")
-        if self.matmul_inputs != "auto" and self.matmul_inputs not in dispatch.MATMUL_INPUTS:
-            raise ValueError(f"matmul_inputs must be auto or one of {list(dispatch.MATMUL_INPUTS)}")
+        if self.matmul_inputs != "auto" and self.matmul_inputs not in MATMUL_INPUTS:
+            raise ValueError(f"matmul_inputs must be auto or one of {list(MATMUL_INPUTS)}")
         if self.kv_pool_pages not in ("lazy", "eager"):
             raise ValueError("kv_pool_pages must be lazy or eager")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be one of {list(WEIGHT_LAYOUTS)}")
-        if self.kv_cache_dtype != "auto":
-            _named_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        for option in ("dtype", "weight_dtype", "kv_cache_dtype"):
+            if (name := getattr(self, option)) != "auto" and name not in DTYPE_NAMES:
+                raise ValueError(f"{option} must be auto or one of {sorted(DTYPE_NAMES)}")
         if isinstance(self.preemption_mode, str):
             self.preemption_mode = PreemptionMode(self.preemption_mode)
         if isinstance(self.allocation, str):
             self.allocation = AllocationMode(self.allocation)
 
-    def native_threads(self) -> int:
-        """The native decode stack's threads: `decode_threads`, or with 0 the physical cores
-        this process may run on, never more than the CPUs it may run on (on one CPU a helper
-        thread would only take turns with the thread waiting for it)."""
-        cpus = topology.usable_cpus()
-        wanted = self.decode_threads or topology.physical_cores(cpus)
-        return min(wanted, len(cpus), topology.MAX_THREADS)
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def cpu_kernels(self) -> dispatch.KernelSet | None:
-        """The CPU kernels `cpu_isa` asks for; None where the library is missing (then
-        `cpu_isa` auto runs dense weights through torch) or the device is CUDA."""
-        if self.torch_device().type != "cpu":
-            return None
-        inputs = "fp32" if self.matmul_inputs == "auto" else self.matmul_inputs
-        return dispatch.select(self.cpu_isa, inputs)
-
-    def torch_dtype(self) -> torch.dtype:
-        """The activations' dtype."""
-        if self.dtype == "auto":
-            if self.torch_device().type == "cuda":
-                return torch.bfloat16
-            if self.weights in PACKED_FORMATS or self.serve_stored():
-                # The CPU kernels take fp32 inputs and compute in fp32 through: the
-                # bf16-activation trial's win does not apply.
-                return torch.float32
-            return fastest_cpu_dtypes().activations
-        return _named_dtype(self.dtype, "dtype")
-
-    def torch_kv_cache_dtype(self, activations: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model with these activations."""
-        if self.kv_cache_dtype != "auto":
-            return _named_dtype(self.kv_cache_dtype, "kv_cache_dtype")
-        on_cpu = self.torch_device().type == "cpu" and self.attention_backend in ("auto", "torch")
-        if on_cpu and self.cpu_kernels() is not None:
-            # fp16, not bf16: three more bits of mantissa, the same bytes, and every version
-            # widens it fast (F16C, NEON in hardware; the generic one a whole row at a time)
-            return torch.float16
-        return activations
-
-    def torch_weight_dtype(self) -> torch.dtype:
-        """The matmul weights' dtype; torch.uint4 and torch.int8 name the packed formats.
-        With weights auto, the dense dtype: the loader may still serve a GGUF's blocks as
-        stored (`serve_stored`)."""
-        if self.weights != "auto":
-            chosen = WEIGHT_FORMATS[self.weights]
-            packed = self.weights in PACKED_FORMATS
-            if packed and self.torch_device().type != "cpu":
-                raise ValueError(f"weights {self.weights} runs on the CPU only")
-            if packed and self.cpu_kernels() is None:
-                raise ValueError(f"weights {self.weights} needs the CPU kernels (a C compiler)")
-            return chosen
-        return self.torch_dense_dtype()
-
-    def torch_dense_dtype(self) -> torch.dtype:
-        """The dtype dense matmuls run in: the weights' when they are dense; fp32 for packed
-        weights above their crossover (prefill, mixed steps), which dequantize each weight
-        exactly and multiply in fp32, so that a prompt's K/V are the fp32 model's as the
-        decode steps' are (bf16 there moved the bundled model's logits by 0.25)."""
-        if self.weights in ("fp32", "bf16"):
-            return WEIGHT_FORMATS[self.weights]
-        if self.weights in PACKED_FORMATS or self.serve_stored():
-            return torch.float32
-        if self.weight_dtype != "auto":
-            return _named_dtype(self.weight_dtype, "weight_dtype")
-        if self.dtype == "auto" and self.torch_device().type == "cpu":
-            return fastest_cpu_dtypes().weights
-        return self.torch_dtype()
-
-    def serve_stored(self) -> bool:
-        """weights auto on a CPU with the kernels: serve a GGUF's blocks as stored."""
-        if self.weights != "auto" or self.weight_dtype != "auto" or self.dtype != "auto":
-            return False
-        return self.torch_device().type == "cpu" and self.cpu_kernels() is not None
-
-
-# --weights names: dense dtypes, then the packed formats, named by the dtypes quant.py
-# (`INT4`, `QUANTIZE_TO`) and the loader take them by.
-WEIGHT_FORMATS: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "int8": torch.int8,
-    "int4": torch.uint4,  # type: ignore[attr-defined]  # (missing from torch's stubs)
-}
+# --weights names: dense dtypes, then the packed formats (service/engine/plan.py maps each to
+# the dtype quant.py and the loader take it by).
+WEIGHT_FORMAT_NAMES = ("fp32", "bf16", "int8", "int4")
 PACKED_FORMATS = ("int8", "int4")
 WEIGHT_LAYOUTS = ("auto", "stored")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# What the CPU kernels' packed products take as inputs (kernels/cpu/dispatch.py's
+# MATMUL_INPUTS: a test holds the two equal).
+MATMUL_INPUTS = ("fp32", "int8")
 # Every CPU kernel version of every architecture (dispatch.names() has this machine's).
-ALL_ISAS = ("generic", "avx2", "avx512", "vnni", "amx", "neon")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name the options take: "bfloat16" for torch.bfloat16."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _named_dtype(name: str, option: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"{option} must be auto or one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+ALL_ISAS = tuple(dict.fromkeys(isa.name for isas in build.ISAS.values() for isa in isas))

@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 
 from kernels.backend import get_backend
-from service.engine.blocks import AllocationMode, BlockManager, hash_blocks
-from service.engine.config import EngineConfig
+from service.engine.blocks import BlockManager, hash_blocks
+from service.engine.config import AllocationMode, EngineConfig
 from service.engine.cuda_graphs import StepRunner, make_step_runner
 from service.engine.grammar import GrammarCompiler, TokenBitmasks
 from service.engine.host_memory import release_freed, tune_allocator
@@ -32,6 +32,7 @@ from service.engine.kvtier.record import BlockLayout
 from service.engine.loader import LoadedModel, load_model
 from service.engine.model import ModelArgs
 from service.engine.params import SamplingParams
+from service.engine.plan import EnginePlan, plan_engine
 from service.engine.runner import ModelRunner
 from service.engine.sampler import SampledToken, Sampler, SamplingRow
 from service.engine.scheduler import ScheduledChunk, Scheduler
@@ -83,17 +84,23 @@ class KVPages:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        plan: EnginePlan | None = None,
+    ) -> None:
         torch.set_num_threads(config.num_threads)
         tune_allocator()
         self.config = config
-        device = config.torch_device()
+        self.plan = plan = plan or plan_engine(config)
+        device = plan.device
         if loaded is None:
-            loaded = _load_model(config, device)
+            loaded = _load_model(config, plan)
         # A model loaded by the caller decides the activations; the KV cache follows them
         # unless `kv_cache_dtype` says otherwise (float16 on the CPU by default).
         self.activation_dtype = loaded.model.activation_dtype
-        self.kv_cache_dtype = config.torch_kv_cache_dtype(self.activation_dtype)
+        self.kv_cache_dtype = plan.kv_cache_for(self.activation_dtype)
         self.weight_dtype = loaded.model.dense_weight_dtype
         self.cpu_kernels = loaded.model.kernels
         self.model_id = loaded.model_id
@@ -109,7 +116,7 @@ class LLMEngine:
         self.runner = self._build_runner(loaded, device, sizes)
         # Pure decode steps replay CUDA graphs where they can; every other step the runner.
         self.step_runner: StepRunner = make_step_runner(self.runner, config, self.max_model_len)
-        self.sampler = Sampler(device, config.seed, config.cpu_kernels())
+        self.sampler = Sampler(device, config.seed, plan.cpu_kernels)
         self.vocab_size = loaded.args.vocab_size  # the logits' width
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -227,9 +234,9 @@ class LLMEngine:
             num_window_blocks=(sizes.window_device, sizes.window_cpu),
             device=device,
             dtype=self.kv_cache_dtype,
-            backend=get_backend(config.attention_backend, device, config.cpu_kernels()),
+            backend=get_backend(config.attention_backend, device, self.plan.cpu_kernels),
             tier=self.kv_tier.worker if self.kv_tier is not None else None,
-            decode_threads=config.native_threads(),
+            decode_threads=self.plan.native_threads,
             eager_pools=config.kv_pool_pages == "eager",
         )
 
@@ -629,18 +636,18 @@ class _PhaseClock:
             setattr(timing, phase, getattr(timing, phase) + seconds)
 
 
-def _load_model(config: EngineConfig, device: torch.device) -> LoadedModel:
+def _load_model(config: EngineConfig, plan: EnginePlan) -> LoadedModel:
     """The configured model, with the heap loading freed handed back before the KV pools
     are committed."""
     loaded = load_model(
         config.model,
-        dtype=config.torch_dtype(),
-        device=device,
-        weight_dtype=config.torch_weight_dtype(),
-        kernels=config.cpu_kernels(),
-        dense_dtype=config.torch_dense_dtype(),
-        serve_stored=config.serve_stored(),
-        threads=config.native_threads(),
+        dtype=plan.activation_dtype,
+        device=plan.device,
+        weight_dtype=plan.weight_dtype,
+        kernels=plan.cpu_kernels,
+        dense_dtype=plan.dense_dtype,
+        serve_stored=plan.serve_stored,
+        threads=plan.native_threads,
         matmul_inputs=config.matmul_inputs,
         regroup_rows=config.weight_layout == "auto",
     )

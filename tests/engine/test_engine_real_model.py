@@ -91,7 +91,7 @@ def test_the_default_gives_the_dequantized_fp32_models_greedy_answers_on_every_v
     assert default.runner.model.weights_name == "Q4_1"
     assert default.kv_cache_dtype == torch.float16
     assert default.cpu_kernels is not None and default.cpu_kernels.isa == cpu_isa
-    assert default.runner.native_decode_threads == config.native_threads()  # the stack runs
+    assert default.runner.native_decode_threads == default.plan.native_threads  # the stack runs
     prompts, reference = fp32_answers
     answers = run(default, prompts, greedy(16))
     assert_same_greedy(reference, answers, near_tie=KV16_NEAR_TIE)

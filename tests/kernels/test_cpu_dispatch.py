@@ -53,9 +53,10 @@ def test_without_a_compiler_there_are_no_kernels_and_auto_serves_dense_weights(
     code = (
         "from kernels.cpu import dispatch\n"
         "from service.engine.config import EngineConfig\n"
+        "from service.engine.plan import plan_engine\n"
         "print(dispatch.select('auto'))\n"
-        "config = EngineConfig()\n"
-        "print(config.serve_stored(), config.torch_kv_cache_dtype(config.torch_dtype()))\n"
+        "plan = plan_engine(EngineConfig())\n"
+        "print(plan.serve_stored, plan.kv_cache_for(plan.activation_dtype))\n"
         "try:\n    dispatch.select('generic')\nexcept ValueError as e:\n    print(e)\n"
     )
     out = _python(code, {"PAGECHAT_CACHE_DIR": str(tmp_path), "CC": str(tmp_path / "no-cc")})

@@ -9,6 +9,7 @@ import pytest
 
 from kernels.cpu import topology
 from service.engine.config import EngineConfig
+from service.engine.plan import native_threads
 
 
 def _sysfs(root: Path, siblings: dict[int, str]) -> Path:
@@ -41,11 +42,9 @@ def test_this_process_has_at_least_one_core_and_no_more_than_its_cpus() -> None:
 
 def test_decode_threads_default_to_the_physical_cores_and_are_capped_at_the_cpus() -> None:
     cpus = len(topology.usable_cpus())
-    assert EngineConfig().native_threads() == topology.usable_physical_cores()
-    assert EngineConfig(decode_threads=1).native_threads() == 1
-    assert EngineConfig(decode_threads=topology.MAX_THREADS).native_threads() == min(
-        cpus, topology.MAX_THREADS
-    )
+    assert native_threads(EngineConfig().decode_threads) == topology.usable_physical_cores()
+    assert native_threads(1) == 1
+    assert native_threads(topology.MAX_THREADS) == min(cpus, topology.MAX_THREADS)
 
 
 @pytest.mark.parametrize("threads", [-1, topology.MAX_THREADS + 1])
