@@ -66,7 +66,7 @@ from service.engine.cuda_graphs import (
 )
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel
-from service.engine.model import Linear, LlamaModel
+from service.engine.model import DecoderModel, Linear
 from service.engine.params import SamplingParams
 from service.engine.plan import dtype_name, plan_engine
 from service.engine.quant import QuantLinear
@@ -80,7 +80,7 @@ class MatmulClock:
     and the LM head (`compute_logits`, which is one matmul and a cast). The CPU runs each
     call to completion, so wall time around it is its cost."""
 
-    def __init__(self, model: LlamaModel, stack: DecoderStack | None = None) -> None:
+    def __init__(self, model: DecoderModel, stack: DecoderStack | None = None) -> None:
         self._seconds = 0.0
         self._start = 0.0
         self._stack = stack

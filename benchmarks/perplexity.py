@@ -2,7 +2,7 @@
 
 The text (benchmarks/data/, see its README) is tokenized once and cut into windows of
 `--window` tokens every `--stride` tokens; each window runs through the real model forward
-(`LlamaModel` from service/engine/model.py, fp32 activations) with a plain causal attention
+(`DecoderModel` from service/engine/model.py, fp32 activations) with a plain causal attention
 over the window (SDPA, no KV cache: `WindowAttention`), and each token is scored once, in the
 first window where it is not the first token: the first window scores all but its first token,
 later ones only the tokens past the previous window's end, so every scored token but those of
@@ -46,7 +46,7 @@ from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import WeightType
 from service.engine.config import EngineConfig
 from service.engine.loader import LoadedModel, load_model
-from service.engine.model import LlamaModel
+from service.engine.model import DecoderModel
 from service.engine.plan import plan_engine
 from service.engine.quant import PackedWeight, Weight, dense, quantize
 
@@ -245,7 +245,7 @@ def load_format(
         weights_in = quantized[name]
         if dense_twin:
             weights_in = {key: dense(w) for key, w in weights_in.items()}
-        built = LlamaModel.from_weights(
+        built = DecoderModel.from_weights(
             reference.args, weights_in, torch.float32, torch.device("cpu"),
             weight_dtype=torch.float32 if dense_twin else torch.int8, kernels=kernels,
             max_packed_tokens=limit,
@@ -255,7 +255,7 @@ def load_format(
         )
     config = EngineConfig(model=model, dtype="float32", weights=name)
     if reference is not None:  # the reference's dense weights cast, not the file read again
-        built = LlamaModel.from_weights(
+        built = DecoderModel.from_weights(
             reference.args, reference.model.state_dict(), torch.float32, torch.device("cpu"),
             weight_dtype=plan_engine(config).weight_dtype,
         )  # fmt: skip

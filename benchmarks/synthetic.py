@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from service.engine.loader import LoadedModel
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.tokenizer import Tokenizer
 
 _CONTEXT = 8192
@@ -94,7 +94,7 @@ CHAT_TEMPLATE = (
 def random_weights(
     args: ModelArgs, *, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Every weight `LlamaModel.from_weights` takes, drawn on `device` in `dtype`.
+    """Every weight `DecoderModel.from_weights` takes, drawn on `device` in `dtype`.
 
     Projections ~ N(0, 1/fan_in), so activations keep their scale through 32 layers in bf16;
     the embedding ~ N(0, 1); norm weights 1. Same seed, device and dtype: same weights.
@@ -154,7 +154,7 @@ def build(
         raise ValueError(f"unknown shape {shape!r}: one of {', '.join(SHAPES)}")
     args = SHAPES[shape]
     weights = random_weights(args, device=device, dtype=dtype, seed=seed)
-    model = LlamaModel.from_weights(args, weights, dtype, device)
+    model = DecoderModel.from_weights(args, weights, dtype, device)
     return LoadedModel(
         model=model,
         args=args,
@@ -165,7 +165,7 @@ def build(
     )
 
 
-def weight_read_bytes(model: LlamaModel) -> int:
+def weight_read_bytes(model: DecoderModel) -> int:
     """Bytes of weights one decode step must read: every parameter, except an untied
     embedding, of which a step reads only its batch's rows (a tied one is the LM head)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -25,7 +25,7 @@ apt_install_missing() {  # command, package, the tests that need it
 }
 if [ "$test_packages" = --test-packages ]; then
     apt_install_missing nginx nginx "the scale-out test"  # fronts the replicas in tests/scaleout
-    apt_install_missing chromium chromium "the browser tests"  # tests/server/test_web.py, Playwright
+    apt_install_missing chromium chromium "the browser tests"  # tests/end_to_end/test_web.py, Playwright
     # A real Prometheus runs vLLM's dashboard queries (tests/api/observability/test_vllm_dashboard.py)
     apt_install_missing prometheus prometheus "the vLLM dashboard test"
     # The arm64 CPU kernels, cross-compiled and run under qemu-user (tests/kernels/test_harness.py)

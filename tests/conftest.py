@@ -1,7 +1,8 @@
 """Suite-wide setup: interpreter mode for Triton, one torch thread, shared model fixtures; and
-the fixtures of the modules that run a real server (tests/api, tests/server): `balanced`, the
-after-test check a module opts into (`pytest.mark.usefixtures("balanced")`, for its own
-`server`), and the Redis prefix and client for the tests that read what the server stored."""
+the fixtures of the modules that run a real server (tests/api, tests/server,
+tests/end_to_end): `balanced`, the after-test check a module opts into
+(`pytest.mark.usefixtures("balanced")`, for its own `server`), and the Redis prefix and client
+for the tests that read what the server stored."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
 from kernels.metadata import AttentionMetadata
 from service.engine.loader import LoadedModel, default_model_path, open_gguf
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.quant import quantize
 from service.engine.tokenizer import Tokenizer
 
@@ -137,7 +137,7 @@ def _build(
     return out
 
 
-def dequantized_reference(loaded: LoadedModel, kind: WeightType) -> LlamaModel:
+def dequantized_reference(loaded: LoadedModel, kind: WeightType) -> DecoderModel:
     """The fp32 model over the weights a packed load holds, dequantized: what the kernels
     must reproduce up to fp32 rounding."""
     state = dict(loaded.model.state_dict())
@@ -150,7 +150,7 @@ def dequantized_reference(loaded: LoadedModel, kind: WeightType) -> LlamaModel:
         state["embed_tokens.weight"], WeightType.Q8_0
     ).dequantize()
     untied = dataclasses.replace(loaded.args, tie_word_embeddings=False)
-    return LlamaModel.from_weights(untied, state, torch.float32, torch.device("cpu"))
+    return DecoderModel.from_weights(untied, state, torch.float32, torch.device("cpu"))
 
 
 class ContiguousAttention:
@@ -231,7 +231,7 @@ class PagedAttention:
 
 @torch.inference_mode()
 def greedy_generate(
-    model: LlamaModel, prompt: list[int], max_new_tokens: int, stop: tuple[int, ...] = ()
+    model: DecoderModel, prompt: list[int], max_new_tokens: int, stop: tuple[int, ...] = ()
 ) -> list[int]:
     """Greedy decoding through `ContiguousAttention`: prefill the prompt, then one token a step."""
     attention = ContiguousAttention(model.args.num_layers)

@@ -1,6 +1,6 @@
 """Why the service turns a client away, in no transport's words.
 
-The service (`ChatService.admit`, `ChatService.begin_turn`) and the gate (`Gate.authenticate`)
+Admission (`Admission.admit`, `Admission.begin_turn`) and the gate (`Gate.authenticate`)
 say only which rule refused and why; each transport decides what its client sees: the
 WebSocket an error frame and maybe a close (`service.api.ws.connection`), HTTP a status and
 OpenAI's error shape (`service.api.openai.errors.refusal_error`).

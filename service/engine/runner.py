@@ -24,7 +24,7 @@ import torch
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
 from service.engine.blocks import SAVE_KINDS, Block, BlockOp, OpKind
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.scheduler import StepBatch
 from service.engine.values import Tier
 from service.engine.window_blocks import LayerGroups
@@ -132,7 +132,7 @@ def table_slots(table: list[Block | None], passed_slot: int) -> list[int]:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         args: ModelArgs,
         *,
         block_size: int,

@@ -14,7 +14,7 @@ from service.api.nesting import MAX_NESTING
 from service.api.structured import (
     MAX_GRAMMAR_CHARS,
     StructuredError,
-    StructuredOutputs,
+    VllmStructuredOutputs,
     closed,
     from_response_format,
     from_vllm_fields,
@@ -68,11 +68,14 @@ def test_a_wrong_response_format_names_the_field_as_the_transport_calls_it() -> 
 def test_vllms_fields_each_become_one_output_named_by_its_field() -> None:
     so, string = "structured_outputs", '{"type":"string"}'
     cases = [
-        (StructuredOutputs(regex="a+"), {}, "regex", "a+", f"{so}.regex"),
-        (StructuredOutputs(choice=["x", "y"]), {}, "choice", '["x", "y"]', f"{so}.choice"),
-        (StructuredOutputs(grammar="root ::= 'a'"), {}, "grammar", "root ::= 'a'", f"{so}.grammar"),
-        (StructuredOutputs(json_object=True), {}, "json_object", "", f"{so}.json_object"),
-        (StructuredOutputs(json='{"type": "string"}'), {}, "json", string, f"{so}.json"),
+        (VllmStructuredOutputs(regex="a+"), {}, "regex", "a+", f"{so}.regex"),
+        (VllmStructuredOutputs(choice=["x", "y"]), {}, "choice", '["x", "y"]', f"{so}.choice"),
+        (
+            VllmStructuredOutputs(grammar="root ::= 'a'"),
+            {}, "grammar", "root ::= 'a'", f"{so}.grammar",
+        ),
+        (VllmStructuredOutputs(json_object=True), {}, "json_object", "", f"{so}.json_object"),
+        (VllmStructuredOutputs(json='{"type": "string"}'), {}, "json", string, f"{so}.json"),
         (None, {"guided_json": {"type": "string"}}, "json", string, "guided_json"),
         (None, {"guided_regex": "b"}, "regex", "b", "guided_regex"),
         (None, {"guided_choice": ["z"]}, "choice", '["z"]', "guided_choice"),
@@ -86,10 +89,10 @@ def test_vllms_fields_each_become_one_output_named_by_its_field() -> None:
 
 def test_two_at_once_or_none_in_structured_outputs_is_refused_by_name() -> None:
     with pytest.raises(StructuredError) as caught:
-        from_vllm_fields(StructuredOutputs(regex="a"), guided_regex="b")
+        from_vllm_fields(VllmStructuredOutputs(regex="a"), guided_regex="b")
     assert caught.value.param == "guided_regex"
     with pytest.raises(StructuredError) as caught:
-        from_vllm_fields(StructuredOutputs())
+        from_vllm_fields(VllmStructuredOutputs())
     assert caught.value.param == "structured_outputs"
 
 

@@ -17,7 +17,7 @@ from benchmarks.synthetic import (
 )
 from service.engine.config import EngineConfig
 from service.engine.engine import LLMEngine
-from service.engine.model import LlamaModel
+from service.engine.model import DecoderModel
 from service.sessions.prompt import ChatFormat
 from tests.engine.greedy import greedy, run
 
@@ -63,7 +63,7 @@ def test_a_decode_step_reads_every_weight_but_an_untied_embedding() -> None:
     assert weight_read_bytes(untied) == total - embedding.numel() * 4
     tied_args = dataclasses.replace(SHAPES["tiny"], tie_word_embeddings=True)
     weights = random_weights(tied_args, device=CPU, dtype=torch.float32)
-    tied = LlamaModel.from_weights(tied_args, weights, torch.float32, CPU)
+    tied = DecoderModel.from_weights(tied_args, weights, torch.float32, CPU)
     assert weight_read_bytes(tied) == sum(p.numel() * 4 for p in tied.parameters())
 
 

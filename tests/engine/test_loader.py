@@ -1,4 +1,4 @@
-"""Loading GGUF files and Hugging Face directories into LlamaModel."""
+"""Loading GGUF files and Hugging Face directories into DecoderModel."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_bf16_weights_follow_the_fp32_answer(smollm2: LoadedModel) -> None:
 
 
 def _llama_cpp_permute(w: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
-    # convert_hf_to_gguf.py's LlamaModel.permute, which the GGUF file went through.
+    # convert_hf_to_gguf.py's DecoderModel.permute, which the GGUF file went through.
     return (
         w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
         .swapaxes(1, 2)

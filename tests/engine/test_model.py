@@ -1,4 +1,4 @@
-"""LlamaModel on a flat batch of tokens, checked against transformers' LlamaForCausalLM."""
+"""DecoderModel on a flat batch of tokens, checked against transformers' LlamaForCausalLM."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
 from service.engine.loader import LoadedModel, load_model
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.quant import PackedEmbedding, QuantLinear
 from tests.tiny_model import ContiguousAttention, dequantized_reference, make_tiny_llama
 
@@ -255,7 +255,7 @@ def test_a_hf_model_quantized_at_load_time_packs_every_projection(
 def test_packed_weights_need_the_cpu_kernels(tiny: tuple[LoadedModel, LlamaForCausalLM]) -> None:
     loaded = tiny[0]
     with pytest.raises(ValueError, match="need the CPU kernels"):
-        LlamaModel.from_weights(
+        DecoderModel.from_weights(
             loaded.args, dict(loaded.model.state_dict()), torch.float32, CPU,
             weight_dtype=torch.int8,
         )  # fmt: skip
@@ -273,7 +273,7 @@ def test_rope_tables_start_short_and_grow_to_what_an_engine_asks_never_shrinking
         local_rope_theta=500.0, sliding_layers=(0,), sliding_window=8,
     )  # fmt: skip
     with torch.device("meta"):
-        model = LlamaModel(args)
+        model = DecoderModel(args)
     assert model.cos_table.shape == (INITIAL_ROPE_POSITIONS, 16)
     model.ensure_positions(INITIAL_ROPE_POSITIONS + 5)
     model.ensure_positions(10)  # another engine's shorter context keeps the longer tables

@@ -20,7 +20,7 @@ from kernels.cpu.formats import WeightType, random_blocks
 from kernels.cpu.stack import StackRows
 from service.engine.engine import LLMEngine
 from service.engine.loader import LoadedModel, load_model
-from service.engine.model import LlamaModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs
 from service.engine.quant import INT4, PackedEmbedding, PackedWeight, Weight, cat_rows
 from service.engine.runner import ModelRunner, StepInputs
 from tests.engine.conftest import EngineFactory
@@ -94,7 +94,7 @@ def _mixed_types(kernels: KernelSet, regroup_rows: bool = False) -> LoadedModel:
             f"layers.{i}.mlp.gate_up.weight": _cat(gate_up),
             f"layers.{i}.mlp.down.weight": blocks(WeightType.Q6_K, 256, 512),
         }
-    model = LlamaModel.from_weights(
+    model = DecoderModel.from_weights(
         args, weights, torch.float32, CPU, weight_dtype=torch.int8, kernels=kernels,
         max_packed_tokens=NATIVE_AT_EVERY_SIZE, regroup_rows=regroup_rows,
     )  # fmt: skip

@@ -21,7 +21,7 @@ from service.api.openai.unknown_fields import convert_ignoring, unknown_field
 from service.api.sampling import AskedSampling, SamplingError, SamplingErrorKind
 from service.api.structured import (
     StructuredError,
-    StructuredOutputs,
+    VllmStructuredOutputs,
     from_response_format,
     from_vllm_fields,
 )
@@ -85,7 +85,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Structured output, honoured: OpenAI's response_format (json_object, json_schema) and
     # vLLM's structured_outputs and older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None
+    structured_outputs: VllmStructuredOutputs | None = None
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

@@ -3,7 +3,7 @@
 A family says which checkpoints are its own (Hugging Face `model_type`, GGUF
 `general.architecture`), reads their configuration into `ModelArgs` (switching on the decoder's
 features it uses) and maps their tensor names onto ours, layer by layer. Nothing else changes per
-family: the engine, scheduler, KV cache, kernels and service see one `LlamaModel`.
+family: the engine, scheduler, KV cache, kernels and service see one `DecoderModel`.
 
 Adding a family is a module here with a `FAMILY`, a line in `FAMILIES`, a row in docs/models.md
 and its case in tests/engine/families/ (a tiny random-weight model built by transformers from the

