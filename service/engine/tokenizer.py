@@ -19,8 +19,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from service.engine.chat_templates import builtin_template
-from service.engine.families.family import UnsupportedModelError
+from service.engine.families.family import TokenizerQuirks, UnsupportedModelError
 
 # Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
 # ChatML, Llama 3's turn and tool-call message ends, Mistral's, Gemma's, Phi-3's): stopping on
@@ -101,26 +100,20 @@ class Tokenizer:
             self._template = env.from_string(chat_template)
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: gguf.GGUFReader, quirks: TokenizerQuirks) -> Tokenizer:
         """Rebuild the tokenizer llama.cpp's converter stored in the metadata: a byte-level BPE
         (`gpt2`: Llama 3, Qwen, SmolLM) or a SentencePiece BPE (`llama`: Gemma's, and Llama 2's,
-        Mistral's and Phi-3's)."""
+        Mistral's and Phi-3's), as the file's family stores it (`quirks`: its
+        `GGUFFormat.tokenizer`; service.engine.loader.gguf_tokenizer finds it)."""
         if problem := gguf_tokenizer_problem(reader):
             raise UnsupportedModelError(problem)
         kind = _gguf_field(reader, "tokenizer.ggml.model")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type")
-        architecture = _gguf_field(reader, "general.architecture", "")
         if kind == "gpt2":
             backend = _byte_level_bpe(reader, tokens)
-        elif architecture.startswith("gemma"):
-            backend = _gemma_sentencepiece(tokens)
         else:
-            backend = _sentencepiece(
-                tokens,
-                _gguf_field(reader, "tokenizer.ggml.scores"),
-                prefix_space=bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)),
-            )
+            backend = _sentencepiece_from(reader, tokens, quirks)
         # Control and user-defined tokens match whole in the text; not those the model spells
         # otherwise (Gemma's runs of spaces), which would be new ids past the vocabulary.
         kept = backend.get_vocab()
@@ -137,8 +130,9 @@ class Tokenizer:
         eos = int(_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
         bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
         template = _gguf_field(reader, "tokenizer.chat_template", None)
-        if template is None:
-            template = builtin_template(architecture, backend.token_to_id)
+        if template is None and all(backend.token_to_id(t) is not None
+                                    for t in quirks.template_tokens):  # fmt: skip
+            template = quirks.chat_template
         return cls(
             backend,
             chat_template=template,
@@ -378,19 +372,29 @@ def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str]) -> Backend:
     return backend
 
 
-def _gemma_sentencepiece(tokens: list[str]) -> Backend:
-    """Gemma's SentencePiece BPE: no space before the text, and no merges or useful scores in
-    the file: SentencePiece's BPE vocabulary lists its merges in the order it learned them, so
-    earlier tokens merge first. Tokens of spaces are stored as spaces, which the model never
-    sees (they are "▁" by then): respelled."""
-    spelled = [_SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    return _sentencepiece(spelled, range(0, -len(spelled), -1), prefix_space=False)
+def _sentencepiece_from(
+    reader: gguf.GGUFReader, tokens: list[str], quirks: TokenizerQuirks
+) -> Backend:
+    """The SentencePiece BPE of a file, as its family stores it: merges by the file's scores or
+    in vocabulary order (Gemma's: earlier tokens merge first), tokens of spaces respelled as
+    "▁" where the file stores them as spaces, a space before the text as the file or the
+    family says."""
+    if quirks.spaces_stored_as_spaces:
+        tokens = [_SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    scores: Sequence[float] = (
+        range(0, -len(tokens), -1) if quirks.merges_in_vocabulary_order
+        else _gguf_field(reader, "tokenizer.ggml.scores")
+    )  # fmt: skip
+    prefix_space = quirks.space_prefix
+    if prefix_space is None:
+        prefix_space = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    return _sentencepiece(tokens, scores, prefix_space=prefix_space)
 
 
 def _sentencepiece(
     tokens: Sequence[str], scores: Sequence[float], *, prefix_space: bool
 ) -> Backend:
-    """SentencePiece BPE (Llama 2's, Mistral's, Phi-3's; Gemma's above): spaces as "▁", a
+    """SentencePiece BPE (Llama 2's, Mistral's, Phi-3's, Gemma's): spaces as "▁", a
     space before the text where the file says so (`add_space_prefix`), no split into words,
     bytes for what the vocabulary lacks; a token that is two pieces of the vocabulary merges
     them, higher-scored tokens first."""

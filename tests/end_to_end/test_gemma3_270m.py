@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from clients.chat_client import ChatClient
-from service.engine.loader import open_gguf
+from service.engine.loader import gguf_tokenizer, open_gguf
 from service.engine.tokenizer import Tokenizer
 from service.sessions.prompt import ChatFormat
 from tests.api.server import ServerProcess, running_server, wait_balanced
@@ -62,7 +62,7 @@ def reference(model_file: Path) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def ours(model_file: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(open_gguf(model_file))
+    return gguf_tokenizer(open_gguf(model_file))
 
 
 @pytest.fixture(scope="module")

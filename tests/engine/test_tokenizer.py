@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as Backend
 
+from service.engine.families.family import TokenizerQuirks
 from service.engine.loader import open_gguf
 from service.engine.tokenizer import Tokenizer, gguf_pre_tokenizer
 from tests.gguf_files import add_bundled_tokenizer, finish, gemma3_270m
@@ -214,7 +215,7 @@ def test_gguf_pre_tokenizers_split_as_transformers_reads_the_same_file(tmp_path:
         writer = gguf.GGUFWriter(path, "llama")
         add_bundled_tokenizer(writer, pre=pre)
         finish(writer)
-        ours = Tokenizer.from_gguf(open_gguf(path))
+        ours = Tokenizer.from_gguf(open_gguf(path), TokenizerQuirks())
         theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         for text in SPLIT_PROBES:
             assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), (pre, text)
@@ -266,7 +267,7 @@ def test_a_gguf_tokenizer_that_cannot_be_rebuilt_is_named_before_loading(
     with pytest.raises(UnsupportedModelError, match=message):
         check_model(path)
     with pytest.raises(UnsupportedModelError, match=message):
-        Tokenizer.from_gguf(open_gguf(path))
+        Tokenizer.from_gguf(open_gguf(path), TokenizerQuirks())
 
 
 SENTENCEPIECE_PROBES = [
@@ -303,7 +304,7 @@ def test_a_llama_style_sentencepiece_gguf_encodes_as_transformers_reads_it(
     writer.add_unk_token_id(3)
     writer.add_add_space_prefix(True)
     finish(writer)
-    ours = Tokenizer.from_gguf(open_gguf(path))
+    ours = Tokenizer.from_gguf(open_gguf(path), TokenizerQuirks())
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in SENTENCEPIECE_PROBES:
         ids = ours.encode_prompt(text)

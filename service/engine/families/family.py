@@ -43,10 +43,29 @@ class GGUFSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenizerQuirks:
+    """How a family's GGUF files store their tokenizer apart from what llama.cpp's converter
+    writes for most (service/engine/tokenizer.py rebuilds it from the file with these)."""
+
+    # A SentencePiece vocabulary with no usable scores or merges: SentencePiece's BPE lists
+    # its tokens in the order it learned them, so earlier tokens merge first (Gemma's).
+    merges_in_vocabulary_order: bool = False
+    # Tokens of spaces stored as spaces, which the model never sees ("\u2581" by then).
+    spaces_stored_as_spaces: bool = False
+    # A space before the text: None as the file says (`add_space_prefix`), else this.
+    space_prefix: bool | None = None
+    # The chat template for a file that carries none (as llama.cpp falls back on its built-in
+    # ones), used only where the vocabulary holds each of `template_tokens` as a token.
+    chat_template: str | None = None
+    template_tokens: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GGUFFormat:
     architecture: str  # general.architecture
     args: Callable[[GGUFSource], ModelArgs]
     layer: Callable[[TakeWeight, ModelArgs], dict[str, Weight]]  # ours <- one layer's
+    tokenizer: TokenizerQuirks = TokenizerQuirks()
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from service.engine.families.family import (
     GGUFSource,
     TakeTensor,
     TakeWeight,
+    TokenizerQuirks,
     UnsupportedModelError,
     gguf_args,
     gguf_layer,
@@ -119,11 +120,46 @@ def gemma3_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
     return ours
 
 
+# Gemma's turns: `<start_of_turn>user` / `<start_of_turn>model`, each closed by `<end_of_turn>`;
+# no system role: a system message opens the first user turn, followed by a blank line. Contents
+# are trimmed, as Gemma's own template trims them (the system message's too, here, so that it is
+# spliced back like every other content: see `Tokenizer.apply_chat_template`).
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set first_user_prefix = messages[0]['content'] | trim + '\n\n' -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set first_user_prefix = '' -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{%- endif -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+{{- message['content'] | trim }}{{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+# A Gemma GGUF's tokenizer (llama.cpp's converter keeps SentencePiece's vocabulary as is).
+GGUF_TOKENIZER = TokenizerQuirks(
+    merges_in_vocabulary_order=True,
+    spaces_stored_as_spaces=True,
+    space_prefix=False,
+    chat_template=CHAT_TEMPLATE,
+    template_tokens=("<start_of_turn>", "<end_of_turn>"),
+)
+
+
 FAMILY = Family(
     name="gemma3",
     hf_model_types=("gemma3_text",),
     hf_args=gemma3_hf_args,
     hf_layer=gemma3_hf_layer,
-    gguf=GGUFFormat("gemma3", gemma3_gguf_args, gemma3_gguf_layer),
+    gguf=GGUFFormat("gemma3", gemma3_gguf_args, gemma3_gguf_layer, GGUF_TOKENIZER),
     hf_norm_offset=1.0,
 )
