@@ -45,6 +45,39 @@ from service.engine.quant import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionFeatures:
+    """How a family's attention differs from Llama's."""
+
+    qkv_bias: bool = False  # biases on q, k and v
+    output_bias: bool = False  # a bias on the attention's output projection
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE
+    scale: float | None = None  # the scores' scale, where not head_dim ** -0.5 (Gemma's)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindow:
+    """Keys a query may see, itself included, on the layers that slide a window (Mistral,
+    Phi-3: every layer; Gemma 3: its local layers, with a RoPE base of their own)."""
+
+    size: int
+    layers: tuple[int, ...] = ()  # the layers that slide; empty: every layer
+    rope_theta: float | None = None  # the sliding layers' own RoPE base
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"a sliding window must be at least 2, got {self.size}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFeatures:
+    """How a family's decoder blocks differ from Llama's outside the attention (Gemma's all)."""
+
+    activation: str = "silu"  # the MLP's gate: silu | gelu_pytorch_tanh
+    sandwich_norms: bool = False  # norms after each sublayer too
+    embedding_scale: float | None = None  # the embeddings scaled by this
+
+
 @dataclass(slots=True)
 class ModelArgs:
     vocab_size: int
@@ -58,24 +91,12 @@ class ModelArgs:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # The family's features (service/engine/families/), Llama's by default.
-    attention_bias: bool = False  # biases on q, k and v
-    output_bias: bool = False  # a bias on the attention's output projection
-    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE
     # Each RoPE frequency's divisor ([head_dim / 2]): Llama 3's scaling, GGUF's rope_freqs.
     rope_freq_factors: tuple[float, ...] | None = None
-    # Keys a query may see, itself included, where the family slides a window (Mistral,
-    # Phi-3: every layer; Gemma 3: its `sliding_layers`).
-    sliding_window: int | None = None
-    # Gemma's: the layers that slide the window (the others see everything), with their own
-    # RoPE base; an MLP activation; norms after each sublayer too; embeddings scaled; the
-    # attention's scale from its own constant instead of head_dim ** -0.5.
-    sliding_layers: tuple[int, ...] = ()
-    local_rope_theta: float | None = None
-    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
-    sandwich_norms: bool = False
-    embedding_scale: float | None = None
-    attention_scale: float | None = None
+    # The family's features (service/engine/families/), Llama's by default.
+    attention: AttentionFeatures = AttentionFeatures()
+    window: SlidingWindow | None = None  # None: every layer sees the whole context
+    block: BlockFeatures = BlockFeatures()
 
     def __post_init__(self) -> None:
         for name in (
@@ -107,21 +128,26 @@ class ModelArgs:
             len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors)
         ):
             raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers")
-        if self.sliding_window is not None and self.sliding_window < 2:
-            raise ValueError(f"sliding_window must be at least 2, got {self.sliding_window}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}")
-        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
-            raise ValueError("sliding_layers must name layers of the model")
+        if self.block.activation not in _ACTIVATIONS:
+            raise ValueError(f"the activation must be one of {sorted(_ACTIVATIONS)}")
+        if self.window and any(not 0 <= i < self.num_layers for i in self.window.layers):
+            raise ValueError("a sliding window's layers must be layers of the model")
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: it sees the whole context): every layer's
-        where the family names no `sliding_layers`, else only theirs."""
-        window = self.sliding_window
-        if window is None or not self.sliding_layers:
-            return (window,) * self.num_layers
-        return tuple(window if i in self.sliding_layers else None for i in range(self.num_layers))
+        where the window names no layers, else only theirs."""
+        window = self.window
+        if window is None or not window.layers:
+            return (window.size if window else None,) * self.num_layers
+        return tuple(window.size if i in window.layers else None for i in range(self.num_layers))
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """The layers that rotate with the window's own RoPE base (Gemma's local layers)."""
+        if self.window is None or self.window.rope_theta is None:
+            return ()
+        return self.window.layers
 
     @property
     def q_size(self) -> int:
@@ -240,18 +266,18 @@ class Attention(nn.Module):
         self.o_proj: Linear | QuantLinear = Linear(args.q_size, args.hidden_size)
         # Apart from the projection, so that a packed one (QuantLinear) takes them too.
         self.qkv_bias: nn.Parameter | None = None
-        if args.attention_bias:
+        if args.attention.qkv_bias:
             self.qkv_bias = nn.Parameter(torch.empty(args.q_size + 2 * args.kv_size))
         self.o_bias: nn.Parameter | None = None
-        if args.output_bias:
+        if args.attention.output_bias:
             self.o_bias = nn.Parameter(torch.empty(args.hidden_size))
         # The runner's attention scales by head_dim ** -0.5; another scale pre-scales q.
         self.q_scale = 1.0
-        if args.attention_scale is not None:
-            self.q_scale = args.attention_scale / args.head_dim**-0.5
+        if args.attention.scale is not None:
+            self.q_scale = args.attention.scale / args.head_dim**-0.5
         self.q_norm: HeadNorm | None = None
         self.k_norm: HeadNorm | None = None
-        if args.qk_norm:
+        if args.attention.qk_norm:
             self.q_norm = HeadNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = HeadNorm(args.head_dim, args.rms_norm_eps)
 
@@ -294,8 +320,8 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.act = _ACTIVATIONS[args.hidden_act]
-        self.silu = args.hidden_act == "silu"
+        self.act = _ACTIVATIONS[args.block.activation]
+        self.silu = args.block.activation == "silu"
         self.gate_up: Linear | QuantLinear = Linear(args.hidden_size, 2 * args.intermediate_size)
         self.down: Linear | QuantLinear = Linear(args.intermediate_size, args.hidden_size)
 
@@ -315,7 +341,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.post_attn_norm: RMSNorm | None = None
         self.post_mlp_norm: RMSNorm | None = None
-        if args.sandwich_norms:
+        if args.block.sandwich_norms:
             self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.post_mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -335,9 +361,9 @@ class DecoderModel(nn.Module):
     """Weights: `embed_tokens.weight`, `norm.weight`, `lm_head.weight` (untied only), and per
     layer `layers.{i}.{attn_norm.weight, attn.qkv.weight, attn.o_proj.weight, mlp_norm.weight,
     mlp.gate_up.weight, mlp.down.weight}`, with the family's features `attn.qkv_bias`
-    (attention_bias), `attn.o_bias` (output_bias) and `attn.{q_norm,k_norm}.weight`
-    (qk_norm). `qkv` rows are [q; k; v] with Q/K in the Hugging Face (rotate_half) layout;
-    `gate_up` rows are [gate; up].
+    (`AttentionFeatures.qkv_bias`), `attn.o_bias` (`output_bias`) and
+    `attn.{q_norm,k_norm}.weight` (`qk_norm`). `qkv` rows are [q; k; v] with Q/K in the
+    Hugging Face (rotate_half) layout; `gate_up` rows are [gate; up].
     """
 
     cos_table: Tensor
@@ -367,8 +393,8 @@ class DecoderModel(nn.Module):
         self.register_buffer("cos_table", cos, persistent=False)
         self.register_buffer("sin_table", sin, persistent=False)
         self.local_tables: tuple[Tensor, Tensor] | None = None
-        if args.local_rope_theta is not None:
-            self.local_tables = rope_tables(args, torch.device("cpu"), args.local_rope_theta)
+        if args.window is not None and args.window.rope_theta is not None:
+            self.local_tables = rope_tables(args, torch.device("cpu"), args.window.rope_theta)
 
     @classmethod
     def from_weights(
@@ -524,8 +550,8 @@ class DecoderModel(nn.Module):
         # NOTE: positions must be within the RoPE tables: the engine grows them to its
         # max_model_len (`ensure_positions`).
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.args.embedding_scale is not None:  # scaled in the weights' dtype, as Gemma's
-            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
+        if (scale := self.args.block.embedding_scale) is not None:  # in the weights' dtype
+            x = x * torch.tensor(scale, dtype=x.dtype)
         x = x.to(self.activation_dtype)
         cos = self.cos_table[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_table[positions].unsqueeze(1)  # [T, 1, D]
@@ -533,7 +559,7 @@ class DecoderModel(nn.Module):
         if self.local_tables is not None:
             local = tuple(t[positions].unsqueeze(1) for t in self.local_tables)  # type: ignore[assignment]
         for i, layer in enumerate(self.layers):
-            layer_cos, layer_sin = local if i in self.args.sliding_layers else (cos, sin)
+            layer_cos, layer_sin = local if i in self.args.local_layers else (cos, sin)
             x = layer(x, layer_cos, layer_sin, attention)  # [T, hidden]
         hidden: Tensor = self.norm(x)  # [T, hidden]
         return hidden
@@ -563,8 +589,8 @@ class DecoderModel(nn.Module):
             rms_norm_eps=a.rms_norm_eps,
             # The op-by-op path pre-scales q by `q_scale` under head_dim ** -0.5: the same
             # product up to an fp32 rounding.
-            scale=a.attention_scale if a.attention_scale is not None else a.head_dim**-0.5,
-            activation=ACTIVATIONS[a.hidden_act],
+            scale=a.attention.scale if a.attention.scale is not None else a.head_dim**-0.5,
+            activation=ACTIVATIONS[a.block.activation],
         )
         groups = layer_groups or (0,) * a.num_layers
         local_rope = 1 if self.local_tables is not None else 0
@@ -588,7 +614,7 @@ class DecoderModel(nn.Module):
                     post_attn_norm=_norm_weight(layer.post_attn_norm),
                     post_mlp_norm=_norm_weight(layer.post_mlp_norm),
                     group=groups[i],
-                    rope=local_rope if i in a.sliding_layers else 0,
+                    rope=local_rope if i in a.local_layers else 0,
                     window=a.layer_windows[i],
                 )
             )
@@ -605,8 +631,8 @@ class DecoderModel(nn.Module):
         torch ops a layer. `metas`: the step's metadata of each KV group the stack's layers
         read (one, or the full and the window layers'). [T] -> [T, hidden]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.args.embedding_scale is not None:  # as `forward` scales it
-            x = x * torch.tensor(self.args.embedding_scale, dtype=x.dtype)
+        if (scale := self.args.block.embedding_scale) is not None:  # as `forward` scales it
+            x = x * torch.tensor(scale, dtype=x.dtype)
         x = x.to(self.activation_dtype).contiguous()
         tables = [(self.cos_table, self.sin_table)]
         if self.local_tables is not None:
@@ -631,7 +657,8 @@ class DecoderModel(nn.Module):
 
         self.cos_table, self.sin_table = grown(None)
         if self.local_tables is not None:
-            self.local_tables = grown(self.args.local_rope_theta)
+            assert self.args.window is not None
+            self.local_tables = grown(self.args.window.rope_theta)
 
     def weight_bytes(self) -> int:
         """Bytes the weights hold: dense parameters, and packed weights' blocks as stored (a

@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from kernels.cpu import dispatch
 from kernels.cpu.formats import WeightType
 from service.engine.loader import LoadedModel, load_model
-from service.engine.model import DecoderModel, ModelArgs
+from service.engine.model import DecoderModel, ModelArgs, SlidingWindow
 from service.engine.quant import PackedEmbedding, QuantLinear
 from tests.tiny_model import ContiguousAttention, dequantized_reference, make_tiny_llama
 
@@ -270,7 +270,7 @@ def test_rope_tables_start_short_and_grow_to_what_an_engine_asks_never_shrinking
     args = ModelArgs(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
         num_kv_heads=1, head_dim=16, max_position_embeddings=4 * INITIAL_ROPE_POSITIONS,
-        local_rope_theta=500.0, sliding_layers=(0,), sliding_window=8,
+        window=SlidingWindow(8, layers=(0,), rope_theta=500.0),
     )  # fmt: skip
     with torch.device("meta"):
         model = DecoderModel(args)

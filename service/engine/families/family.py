@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from service.engine.model import ModelArgs
+from service.engine.model import BlockFeatures, ModelArgs, SlidingWindow
 from service.engine.quant import Weight, cat_rows, dense
 
 
@@ -103,6 +104,7 @@ def hf_args(
     hidden = int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     theta, factors = rope if rope is not None else hf_rope(config, head_dim)
+    block: BlockFeatures = features.pop("block", BlockFeatures())
     return ModelArgs(
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -116,7 +118,7 @@ def hf_args(
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_freq_factors=factors,
-        hidden_act=act,
+        block=dataclasses.replace(block, activation=act),
         **features,
     )
 
@@ -229,25 +231,25 @@ def gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:
         "mlp.gate_up.weight": cat_rows([take("ffn_gate.weight"), take("ffn_up.weight")]),
         "mlp.down.weight": take("ffn_down.weight"),
     }
-    if args.attention_bias:
+    if args.attention.qkv_bias:
         ours["attn.qkv_bias"] = torch.cat([dense(take(f"attn_{p}.bias")) for p in "qkv"])
-    if args.output_bias:
+    if args.attention.output_bias:
         ours["attn.o_bias"] = dense(take("attn_output.bias"))
-    if args.qk_norm:
+    if args.attention.qk_norm:
         ours["attn.q_norm.weight"] = take("attn_q_norm.weight")
         ours["attn.k_norm.weight"] = take("attn_k_norm.weight")
     return ours
 
 
-def hf_sliding_window(config: Mapping[str, Any]) -> int | None:
+def hf_sliding_window(config: Mapping[str, Any]) -> SlidingWindow | None:
+    """A window on every layer, where config.json sets one."""
     window = config.get("sliding_window")
-    return None if window is None else int(window)
+    return None if window is None else SlidingWindow(int(window))
 
 
 def hf_llama_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
     """Llama's layer names (q/k/v, gate/up split), which most families keep; their q/k/v
-    biases (attention_bias), o's (output_bias) and q/k norms (qk_norm) where the family has
-    them."""
+    biases, o's and q/k norms where the family has them (`ModelArgs.attention`)."""
     ours = {
         "attn_norm.weight": take("input_layernorm.weight"),
         "attn.qkv.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
@@ -256,11 +258,11 @@ def hf_llama_layer(take: TakeTensor, args: ModelArgs) -> dict[str, Tensor]:
         "mlp.gate_up.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
         "mlp.down.weight": take("mlp.down_proj.weight"),
     }
-    if args.attention_bias:
+    if args.attention.qkv_bias:
         ours["attn.qkv_bias"] = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
-    if args.output_bias:
+    if args.attention.output_bias:
         ours["attn.o_bias"] = take("self_attn.o_proj.bias")
-    if args.qk_norm:
+    if args.attention.qk_norm:
         ours["attn.q_norm.weight"] = take("self_attn.q_norm.weight")
         ours["attn.k_norm.weight"] = take("self_attn.k_norm.weight")
     return ours

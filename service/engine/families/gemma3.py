@@ -25,7 +25,7 @@ from service.engine.families.family import (
     hf_args,
     hf_llama_layer,
 )
-from service.engine.model import ModelArgs
+from service.engine.model import AttentionFeatures, BlockFeatures, ModelArgs, SlidingWindow
 from service.engine.quant import Weight
 
 # What llama.cpp's converter leaves out of a gemma3 GGUF and llama.cpp itself assumes: every
@@ -71,13 +71,15 @@ def gemma3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     return hf_args(
         config,
         rope=(global_theta, None),
-        qk_norm=True,
-        sandwich_norms=True,
-        embedding_scale=hidden**0.5,
-        attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
-        local_rope_theta=local_theta,
-        sliding_layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
-        sliding_window=int(config["sliding_window"]),
+        attention=AttentionFeatures(
+            qk_norm=True, scale=float(config["query_pre_attn_scalar"]) ** -0.5
+        ),
+        window=SlidingWindow(
+            int(config["sliding_window"]),
+            layers=tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
+            rope_theta=local_theta,
+        ),
+        block=BlockFeatures(sandwich_norms=True, embedding_scale=hidden**0.5),
     )
 
 
@@ -99,16 +101,17 @@ def gemma3_gguf_args(gguf: GGUFSource) -> ModelArgs:
     pre_attention = hidden // heads if layers == GGUF_27B_LAYERS else head_dim
     return gguf_args(
         gguf,
-        qk_norm=True,
-        sandwich_norms=True,
-        hidden_act="gelu_pytorch_tanh",
-        embedding_scale=hidden**0.5,
-        attention_scale=pre_attention**-0.5,
-        local_rope_theta=GGUF_LOCAL_ROPE_BASE,
-        sliding_layers=tuple(
-            i for i in range(layers) if i % GGUF_LAYER_PATTERN < GGUF_LAYER_PATTERN - 1
+        attention=AttentionFeatures(qk_norm=True, scale=pre_attention**-0.5),
+        window=SlidingWindow(
+            int(gguf.field("attention.sliding_window")),
+            layers=tuple(
+                i for i in range(layers) if i % GGUF_LAYER_PATTERN < GGUF_LAYER_PATTERN - 1
+            ),
+            rope_theta=GGUF_LOCAL_ROPE_BASE,
         ),
-        sliding_window=int(gguf.field("attention.sliding_window")),
+        block=BlockFeatures(
+            activation="gelu_pytorch_tanh", sandwich_norms=True, embedding_scale=hidden**0.5
+        ),
     )
 
 

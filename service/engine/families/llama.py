@@ -21,13 +21,13 @@ from service.engine.families.family import (
     hf_args,
     hf_llama_layer,
 )
-from service.engine.model import ModelArgs
+from service.engine.model import AttentionFeatures, ModelArgs
 from service.engine.quant import Weight, cat_rows, map_rows
 
 
 def llama_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     bias = bool(config.get("attention_bias"))  # on q, k, v and o alike
-    return hf_args(config, attention_bias=bias, output_bias=bias)
+    return hf_args(config, attention=AttentionFeatures(qkv_bias=bias, output_bias=bias))
 
 
 def llama_gguf_args(gguf: GGUFSource) -> ModelArgs:

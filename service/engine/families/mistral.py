@@ -14,7 +14,7 @@ from service.engine.model import ModelArgs
 
 
 def mistral_hf_args(config: Mapping[str, Any]) -> ModelArgs:
-    return hf_args(config, sliding_window=hf_sliding_window(config))
+    return hf_args(config, window=hf_sliding_window(config))
 
 
 FAMILY = Family(

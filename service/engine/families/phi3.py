@@ -24,12 +24,12 @@ from service.engine.families.family import (
     hf_args,
     hf_sliding_window,
 )
-from service.engine.model import ModelArgs
+from service.engine.model import ModelArgs, SlidingWindow
 from service.engine.quant import Weight
 
 
 def phi3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
-    return hf_args(config, sliding_window=hf_sliding_window(config))
+    return hf_args(config, window=hf_sliding_window(config))
 
 
 # Ours <- (Hugging Face's, llama.cpp's) name of each tensor of a layer. llama.cpp keeps both
@@ -52,7 +52,7 @@ def phi3_gguf_args(gguf: GGUFSource) -> ModelArgs:
     if gguf.has_tensor("rope_factors_long.weight"):
         raise UnsupportedModelError("Phi-3's longrope scaling (rope_factors_long) is not supported")
     window = int(gguf.field("attention.sliding_window", 0))
-    return gguf_args(gguf, sliding_window=window or None)
+    return gguf_args(gguf, window=SlidingWindow(window) if window else None)
 
 
 def phi3_gguf_layer(take: TakeWeight, args: ModelArgs) -> dict[str, Weight]:

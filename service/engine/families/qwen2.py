@@ -16,16 +16,16 @@ from service.engine.families.family import (
     hf_llama_layer,
     refuse_qwen_windows,
 )
-from service.engine.model import ModelArgs
+from service.engine.model import AttentionFeatures, ModelArgs
 
 
 def qwen2_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     refuse_qwen_windows(config, "qwen2")
-    return hf_args(config, attention_bias=True)
+    return hf_args(config, attention=AttentionFeatures(qkv_bias=True))
 
 
 def qwen2_gguf_args(gguf: GGUFSource) -> ModelArgs:
-    return gguf_args(gguf, attention_bias=True)
+    return gguf_args(gguf, attention=AttentionFeatures(qkv_bias=True))
 
 
 FAMILY = Family(

@@ -16,18 +16,22 @@ from service.engine.families.family import (
     hf_llama_layer,
     refuse_qwen_windows,
 )
-from service.engine.model import ModelArgs
+from service.engine.model import AttentionFeatures, ModelArgs
 
 
 def qwen3_hf_args(config: Mapping[str, Any]) -> ModelArgs:
     refuse_qwen_windows(config, "qwen3")
     bias = bool(config.get("attention_bias"))  # on q, k, v and o alike
-    return hf_args(config, qk_norm=True, attention_bias=bias, output_bias=bias)
+    return hf_args(config, attention=_attention(bias))
 
 
 def qwen3_gguf_args(gguf: GGUFSource) -> ModelArgs:
     bias = gguf.has_tensor("blk.0.attn_q.bias")
-    return gguf_args(gguf, qk_norm=True, attention_bias=bias, output_bias=bias)
+    return gguf_args(gguf, attention=_attention(bias))
+
+
+def _attention(bias: bool) -> AttentionFeatures:
+    return AttentionFeatures(qk_norm=True, qkv_bias=bias, output_bias=bias)
 
 
 FAMILY = Family(

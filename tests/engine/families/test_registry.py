@@ -49,8 +49,9 @@ def test_gemma3_reads_its_layer_kinds_from_either_config_style() -> None:
     old = GEMMA3 | {"sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4}
     for config in (new, old):
         args = family_of_hf(config).hf_args(config)
-        assert args.sliding_layers == (0,) and args.local_rope_theta == 1e4
-        assert args.layer_windows == (64, None) and args.attention_scale == 16**-0.5
+        assert args.window is not None
+        assert args.window.layers == (0,) and args.window.rope_theta == 1e4
+        assert args.layer_windows == (64, None) and args.attention.scale == 16**-0.5
 
 
 def test_an_unknown_gguf_architecture_names_the_supported_ones() -> None:
