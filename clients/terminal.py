@@ -448,7 +448,19 @@ def main(argv: list[str] | None = None) -> int:
     except Failure as exc:
         print(f"pagechat: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if sys.stdin.isatty():
+        take_ctrl_c()
     return run(args)
+
+
+def take_ctrl_c() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt here whatever this process inherited. A process
+    started with SIGINT ignored (from a script's background job, `nohup`, a launcher that
+    ignores it: the disposition survives exec) or blocked keeps it so, and Python then installs
+    no handler: Ctrl-C at the prompt or mid-answer would do nothing. On a terminal the client
+    is the program the user is typing to, so it takes the key back."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,14 @@ class Terminal:
     """The client on a pseudo-terminal of its own (its controlling terminal, so the keys
     act as they do for a person)."""
 
-    def __init__(self, *args: str, term: str = "dumb") -> None:
+    def __init__(self, *args: str, term: str = "dumb", sigint: str = "default") -> None:
         pid, fd = pty.fork()
         if pid == 0:  # the child: exec at once, nothing else
             os.chdir(REPO)
+            if sigint == "ignored":  # as from a script's background job: survives exec
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            elif sigint == "blocked":
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             os.execve(sys.executable, [*CLIENT, *args], {**ENV, "TERM": term})
         self.pid, self.fd = pid, fd
         self.output = b""
@@ -114,8 +118,8 @@ def terminal() -> Iterator[type[Terminal]]:
     opened: list[Terminal] = []
 
     class Opened(Terminal):
-        def __init__(self, *args: str, term: str = "dumb") -> None:
-            super().__init__(*args, term=term)
+        def __init__(self, *args: str, term: str = "dumb", sigint: str = "default") -> None:
+            super().__init__(*args, term=term, sigint=sigint)
             opened.append(self)
 
     yield Opened
@@ -153,6 +157,21 @@ async def test_ctrl_c_or_ctrl_d_at_the_prompt_exits_cleanly(
     assert client.wait() == 0
     assert "Traceback" not in client.text and "KeyboardInterrupt" not in client.text
     await wait_balanced(server)  # its connection is closed, nothing is held
+
+
+@pytest.mark.parametrize("sigint", ["ignored", "blocked"])
+@pytest.mark.server
+async def test_ctrl_c_reaches_the_client_whatever_sigint_it_inherited(
+    server: ServerProcess, terminal: type[Terminal], sigint: str
+) -> None:
+    # A full suite run in a background job once failed the Ctrl-C tests: its children
+    # inherited SIGINT ignored, and Python installs no handler over an ignored signal.
+    client = terminal("--url", server.http, sigint=sigint)
+    client.read_until(b"> ")
+    client.send(CTRL_C)
+    assert client.wait() == 0
+    assert "Traceback" not in client.text
+    await wait_balanced(server)
 
 
 @pytest.mark.server
