@@ -50,10 +50,9 @@ rm -rf "$dir/tokenizer"
 import sys
 from pathlib import Path
 
-from service.engine.loader import default_model_path, open_gguf
-from service.engine.tokenizer import Tokenizer
+from service.engine.loader import default_model_path, gguf_tokenizer, open_gguf
 
-Tokenizer.from_gguf(open_gguf(default_model_path())).save_hf(Path(sys.argv[1]))
+gguf_tokenizer(open_gguf(default_model_path())).save_hf(Path(sys.argv[1]))
 EOF
 
 # Tracked files plus untracked ones git does not ignore: what travels with the bundle.

@@ -145,6 +145,13 @@ def create_app(hub: Hub) -> Starlette:
             Route("/v1/kv", guarded(kv_json, admin=True)),
             Route("/v1/chat/completions", guarded(openai.create), methods=["POST"]),
             Route("/v1/completions", guarded(openai.create_text), methods=["POST"]),
+            Route("/v1/responses", guarded(openai.create_response), methods=["POST"]),
+            Route("/v1/responses/{response_id}", guarded(openai.get_response)),
+            Route(
+                "/v1/responses/{response_id}",
+                guarded(openai.delete_response),
+                methods=["DELETE"],
+            ),
             Route("/v1/models", guarded(openai.models)),
             Route("/v1/models/{name:path}", guarded(openai.model)),
             Route("/tokenize", guarded(openai.tokenize), methods=["POST"]),  # vLLM's

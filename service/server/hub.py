@@ -129,6 +129,7 @@ class Hub:
             admission=self.admission,
             metrics=self.metrics,
             names=self.served_model_names,
+            stores=self.store_for,
             ignore_unknown_fields=self.config.unknown_request_fields == "ignore",
         )
 

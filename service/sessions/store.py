@@ -154,6 +154,9 @@ class SessionStore:
     def lease_key(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}:lease"
 
+    def response_key(self, response_id: str) -> str:
+        return f"{self.prefix}response:{response_id}"
+
     def _keys(self, session_id: str) -> tuple[str, str, str]:
         return (
             self.meta_key(session_id),
@@ -282,6 +285,19 @@ class SessionStore:
             raise
 
     # ------------------------------------------------------------------ upkeep
+
+    # ------------------------------------------------------------------ stored responses
+
+    async def save_response(self, response_id: str, record: bytes) -> None:
+        """A Responses API answer kept for `previous_response_id` and GET, for the sessions'
+        TTL (service/api/openai/responses.py says what the record holds)."""
+        await self._redis.set(self.response_key(response_id), record, ex=self.ttl_s)
+
+    async def load_response(self, response_id: str) -> bytes | None:
+        return cast("bytes | None", await self._redis.get(self.response_key(response_id)))
+
+    async def delete_response(self, response_id: str) -> bool:
+        return bool(await self._redis.delete(self.response_key(response_id)))
 
     async def touch(self, session_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP: POST /v1/chat/completions and /v1/completions (JSON, or an SSE
-stream), GET /v1/models and /v1/models/{name}; vLLM's POST /tokenize and /detokenize.
+stream), POST /v1/responses and GET / DELETE /v1/responses/{id} (responses.py), GET /v1/models
+and /v1/models/{name}; vLLM's POST /tokenize and /detokenize.
 
-Stateless: each request carries its whole conversation, rendered with the model's chat
-template (message contents as plain text, never special tokens). The prefix cache still
-serves whatever an earlier request computed: a shared system prompt, or the conversation so
-far when a client resends it with one more message.
+Chat and text completions are stateless: each request carries its whole conversation, rendered
+with the model's chat template (message contents as plain text, never special tokens). The
+prefix cache still serves whatever an earlier request computed: a shared system prompt, or the
+conversation so far when a client resends it with one more message. A stored response is the
+one state: its conversation, for `previous_response_id`.
 
 Errors come in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
 request that cannot be served as sent, 404 for another model's name, 413 for a body over the
@@ -19,11 +21,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import redis.exceptions
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
@@ -47,6 +50,16 @@ from service.api.openai.completion_request import (
 )
 from service.api.openai.errors import OpenAIError, invalid, model_not_found, refusal_error
 from service.api.openai.params import sampling_error, structured_output
+from service.api.openai.responses import (
+    ResponseAnswer,
+    StoredResponse,
+    as_responses_error,
+    chat_body,
+    decode_responses_request,
+    input_messages,
+    read_stored,
+    stored,
+)
 from service.api.openai.sse import EventStream, until_disconnected
 from service.api.openai.tokenize import detokenize_request, tokenize_request
 from service.api.openai.tools import Tools, parameters_of
@@ -55,6 +68,7 @@ from service.engine.params import SamplingParams, StructuredOutput
 from service.engine.serving import ServingEngine
 from service.engine.values import CacheScope, GrammarError
 from service.sessions.prompt import ChatFormat
+from service.sessions.store import SessionStore
 
 _json = msgspec.json.Encoder()
 
@@ -76,6 +90,8 @@ class OpenAIParts:
     # The model names this server answers to (--served-model-name), the first the one it
     # reports.
     names: tuple[str, ...]
+    # Each tenant's session store: where the Responses API keeps its stored responses.
+    stores: Callable[[str], SessionStore]
     # --unknown-request-fields ignore: a body's fields no request has are dropped, not refused.
     ignore_unknown_fields: bool = False
 
@@ -129,6 +145,99 @@ class OpenAIRoutes:
     async def create_text(self, request: Request) -> Response:
         """POST /v1/completions."""
         return await self._answer(request, self._text)
+
+    async def create_response(self, request: Request) -> Response:
+        """POST /v1/responses: the chat answer its fields ask for, as a Response."""
+        received = time.monotonic()
+        parts = self.parts
+        store = parts.stores(principal_of(request).tenant)
+        try:
+            body = await self._read(request, parts.limits)
+            rreq = decode_responses_request(body, parts.ignore_unknown_fields)
+            if rreq.model is not None and rreq.model not in parts.names:
+                raise model_not_found(rreq.model, parts.names)
+            history = await self._history(store, rreq.previous_response_id)
+            messages = input_messages(rreq)
+            req, prompt, params = self._chat(chat_body(rreq, history, messages), parts)
+            await _check_structured(parts.engine, req, params)
+        except OpenAIError as exc:
+            return self._error(as_responses_error(exc), parts)
+        except SamplingError as exc:
+            return self._error(as_responses_error(sampling_error(exc)), parts)
+        except ClientDisconnect:
+            return self._left(request, parts)
+        refusal = parts.admission.begin_answer()
+        if refusal is not None:
+            parts.metrics.errors.labels(refusal.reason.value).inc()
+            return refusal_error(refusal).response()
+        scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
+        answer = ResponseAnswer(
+            parts.engine, parts.metrics, parts.admission.end_answer, req, prompt, params,
+            received, scope, rreq.model or parts.names[0],
+            responses_req=rreq, messages=[*history, *messages],
+        )  # fmt: skip
+        if rreq.stream:
+            return EventStream(_stored_at_end(answer, store), on_close=answer.close)
+        whole = asyncio.create_task(answer.whole_response())
+        gone = asyncio.create_task(until_disconnected(request.receive))
+        try:
+            await asyncio.wait([whole, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():
+                whole.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await whole
+            answer.close()
+        if whole.cancelled():
+            return Response(status_code=499)
+        result = whole.result()
+        if isinstance(result, OpenAIError):
+            return self._error(result, parts)
+        await _store(answer, store)
+        return Response(_json.encode(result), media_type="application/json")
+
+    async def get_response(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: a stored response as it was returned."""
+        parts = self.parts
+        response_id = request.path_params["response_id"]
+        store = parts.stores(principal_of(request).tenant)
+        try:
+            record = await self._stored(store, response_id, "response_id")
+        except OpenAIError as exc:
+            return self._error(exc, parts)
+        return Response(_json.encode(record.response), media_type="application/json")
+
+    async def delete_response(self, request: Request) -> Response:
+        """DELETE /v1/responses/{id}: forget a stored response (chaining to it then fails)."""
+        parts = self.parts
+        response_id = request.path_params["response_id"]
+        store = parts.stores(principal_of(request).tenant)
+        try:
+            deleted = await store.delete_response(response_id)
+        except redis.exceptions.RedisError as exc:
+            return self._error(_store_down(exc), parts)
+        if not deleted:
+            return self._error(_no_response(response_id, "response_id"), parts)
+        body = {"id": response_id, "object": "response.deleted", "deleted": True}
+        return Response(_json.encode(body), media_type="application/json")
+
+    async def _history(self, store: SessionStore, response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation `previous_response_id` ends, as chat messages."""
+        if response_id is None:
+            return []
+        record = await self._stored(store, response_id, "previous_response_id")
+        return record.messages
+
+    @staticmethod
+    async def _stored(store: SessionStore, response_id: str, param: str) -> StoredResponse:
+        try:
+            raw = await store.load_response(response_id)
+        except redis.exceptions.RedisError as exc:
+            raise _store_down(exc) from None
+        if raw is None:
+            raise _no_response(response_id, param)
+        return read_stored(raw)
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize (vLLM's): a prompt's or a conversation's token ids."""
@@ -254,6 +363,49 @@ class OpenAIRoutes:
     def _error(exc: OpenAIError, parts: OpenAIParts) -> Response:
         parts.metrics.errors.labels(exc.code).inc()
         return exc.response()
+
+
+async def _stored_at_end(answer: ResponseAnswer, store: SessionStore) -> AsyncIterator[bytes]:
+    """The answer's events, the response stored before the last one (response.completed)
+    names it: a client that chains at once finds it."""
+    held: bytes | None = None
+    async for event in answer.response_events():
+        if held is not None:
+            yield held
+        held = event
+    if answer.final is not None:
+        await _store(answer, store)
+        if answer.final["store"] is False and held is not None:  # not kept after all: say so
+            held = held.replace(b'"store":true', b'"store":false', 1)
+    if held is not None:
+        yield held
+
+
+async def _store(answer: ResponseAnswer, store: SessionStore) -> None:
+    """Keep a finished response where `store` asks; where Redis fails, the response is
+    still answered, its `store` false (nothing can be chained to it)."""
+    record = stored(answer)
+    if record is None or answer.final is None:
+        return
+    try:
+        await store.save_response(answer.id, record)
+    except redis.exceptions.RedisError as exc:
+        log.warning("response %s not stored: %s", answer.id, exc)
+        answer.final["store"] = False
+
+
+def _no_response(response_id: str, param: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"{param} {response_id!r}: no stored response has this id (never stored, deleted, or "
+        "past the store's TTL)",
+        "response_not_found",
+        param,
+    )
+
+
+def _store_down(exc: Exception) -> OpenAIError:
+    return OpenAIError(503, f"the response store is unavailable: {exc}", "store_unavailable")
 
 
 async def _check_structured(engine: ServingEngine, req: AnyRequest, params: SamplingParams) -> None:
