@@ -267,15 +267,15 @@ def _build_family(model_type: str, config_json: str) -> Path:
     hf_logging.disable_progress_bar()
     tokenizer = gguf_tokenizer()
     eos = tokenizer.eos_token_ids[0]
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=tokenizer.vocab_size,
-        initializer_range=INIT_STD,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=eos,
+    fields = {
+        "vocab_size": tokenizer.vocab_size,  # a config may ask for more (tokens to add)
+        "initializer_range": INIT_STD,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
         **json.loads(config_json),
-    )
+    }
+    config = AutoConfig.for_model(model_type, **fields)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()

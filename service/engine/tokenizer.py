@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from service.engine.families.family import TokenizerQuirks, UnsupportedModelError
+from service.engine.values import TEMPLATE_RESERVED
 
 # Trailing tokens the families emit to end a turn, a message or a document (SmolLM and Qwen's
 # ChatML, Llama 3's turn and tool-call message ends, Mistral's, Gemma's, Phi-3's): stopping on
@@ -200,25 +201,33 @@ class Tokenizer:
         return token
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The template's text, special tokens as strings (for display and tests, never for
         tokenizing: use `apply_chat_template`)."""
-        return self._render([_checked(m) for m in messages], add_generation_prompt)
+        checked = [_checked(m) for m in messages]
+        return self._render(checked, add_generation_prompt, template_kwargs)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat, with message contents encoded as plain text.
 
         Equals the tokenizer library's own encoding of `render_chat(...)` when no content
         contains special-token strings: plain runs (template text and contents together) are
-        encoded whole, split only at the template's special tokens.
+        encoded whole, split only at the template's special tokens. `template_kwargs`: more
+        variables for the template (`enable_thinking`: TEMPLATE_RESERVED names excepted).
         """
         checked = [_checked(m) for m in messages]
         masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(checked)]
-        parts = _SENTINEL_RE.split(self._render(masked, add_generation_prompt))
-        expected = self._render(checked, add_generation_prompt)
+        parts = _SENTINEL_RE.split(self._render(masked, add_generation_prompt, template_kwargs))
+        expected = self._render(checked, add_generation_prompt, template_kwargs)
         contents = [m["content"] for m in checked]
         if _splice(parts, contents) != expected:
             # Some templates trim contents (Llama 3's `| trim`); splice what they would print.
@@ -265,11 +274,19 @@ class Tokenizer:
             config["chat_template"] = self.chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template")
+        if reserved := TEMPLATE_RESERVED.intersection(template_kwargs or {}):
+            raise ValueError(f"the template's own variables cannot be set: {sorted(reserved)}")
         bos = None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
         return self._template.render(
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos or "",

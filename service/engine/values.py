@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -137,6 +137,14 @@ class EnginePrecision:
     cpu_kernels: str = ""
 
 
+# The variables the server sets for every render: a request's template kwargs cannot replace
+# them (the contents' sentinels, the tools' text and the turn structure are the server's).
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents",
+     "raise_exception", "continue_final_message"}
+)  # fmt: skip
+
+
 class TextTokenizer(Protocol):
     """What the service asks of the model's tokenizer (`engine/tokenizer.py` `Tokenizer`):
     prompts are built and token ids checked with it, and /tokenize's ids shown; an answer's
@@ -156,8 +164,13 @@ class TextTokenizer(Protocol):
 
     def id_to_token(self, token_id: int) -> str | None: ...  # the vocabulary's own string
 
+    def token_to_id(self, token: str) -> int | None: ...  # a token of the vocabulary, or None
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]: ...
 
 

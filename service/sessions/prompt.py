@@ -14,6 +14,7 @@ rendering only ever appends works; one that rewrites earlier turns is refused at
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from service.engine.values import TextTokenizer
 from service.sessions.models import Message, Role
@@ -51,16 +52,27 @@ class ChatFormat:
         return self.conversation(messages)
 
     def conversation(
-        self, turns: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        turns: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """A whole conversation of `{"role", "content"}` turns through the template, contents
-        as plain text; with the generation prompt, the assistant's turn opened after it."""
-        return self.tokenizer.apply_chat_template(turns, add_generation_prompt)
+        as plain text; with the generation prompt, the assistant's turn opened after it.
+        `template_kwargs`: a request's own template variables (`enable_thinking`)."""
+        return self.tokenizer.apply_chat_template(turns, add_generation_prompt, template_kwargs)
 
-    def continuation(self, turns: Sequence[Mapping[str, str]]) -> list[int]:
+    def continuation(
+        self,
+        turns: Sequence[Mapping[str, str]],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """The conversation with its last (assistant) turn left open, so that the answer goes
         on from its text: rendered closed, less the tokens that end a turn."""
-        closed = self.conversation(turns, add_generation_prompt=False)
+        closed = self.conversation(
+            turns, add_generation_prompt=False, template_kwargs=template_kwargs
+        )
         end = self.end_of_turn
         if closed[-len(end) :] != end:
             raise TemplateError("this model's template cannot continue an assistant message")

@@ -18,6 +18,7 @@ from service.api.openai.chat_request import ChatCompletionRequest, request_tools
 from service.api.openai.completion_request import CompletionRequest
 from service.api.openai.errors import OpenAIError, invalid
 from service.api.openai.params import StreamOptions, structured_output
+from service.api.openai.reasoning import ReasoningStream, opened_by_prompt, split, thinks
 from service.api.openai.tools import CallStream, Tools, read_calls
 from service.engine.params import SamplingParams
 from service.engine.serving import ServingEngine
@@ -64,6 +65,11 @@ class Answer:
         self.created = int(time.time())
         self.model = model
         self.tokenizer = engine.tokenizer
+        # A thinking model's chat answers: the text inside <think>...</think> apart, as
+        # reasoning_content (reasoning.py); None: all of an answer is content.
+        self.thinking: bool | None = None
+        if self.chat and thinks(self.tokenizer):
+            self.thinking = opened_by_prompt(self.tokenizer, prompt)
         # The ids that end an answer without being part of its text (eos, <|im_end|>,
         # stop_token_ids): the one that ends it gets no log-probability entry, as in OpenAI's.
         ends = () if params.ignore_eos else self.tokenizer.eos_token_ids
@@ -121,10 +127,16 @@ class Answer:
                         reasons[out.index] = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
             return _failure(exc, self.chat).response()
+        splits = [None if self.thinking is None else split(t, self.thinking) for t in texts]
         choices = [
-            self._choice(i, text, logprobs[i], reasons[i] or "stop", whole=True)
-            for i, text in enumerate(texts)
+            self._choice(
+                i, text if s is None else s.content, logprobs[i], reasons[i] or "stop", whole=True
+            )
+            for i, (text, s) in enumerate(zip(texts, splits, strict=True))
         ]
+        for choice, s in zip(choices, splits, strict=True):
+            if s is not None and s.reasoning is not None:
+                choice["message"]["reasoning_content"] = s.reasoning
         if self.tools is not None:
             for choice in choices:
                 self._with_calls(choice, self.tools)
@@ -149,6 +161,12 @@ class Answer:
             role = {"role": "assistant", "content": ""}
             choice = {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
             yield self._chunk([choice], every_chunk)
+        thinking = self.thinking
+        streams = (
+            [ReasoningStream(thinking) for _ in range(self.params.n)]
+            if thinking is not None
+            else []
+        )
         try:
             calls = [CallStream(self.tools) for _ in range(self.params.n)] if self.tools else []
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
@@ -156,7 +174,18 @@ class Answer:
                     self._count(out)
                     reason = _finish(out.finish_reason) if out.finished else None
                     logprobs = self._logprobs(out)
-                    text = calls[out.index].push(out.new_text) if calls else out.new_text
+                    new = out.new_text
+                    if streams:
+                        reasoning, new = streams[out.index].push(new)
+                        if out.finished:
+                            more_reasoning, more = streams[out.index].finish()
+                            reasoning, new = reasoning + more_reasoning, new + more
+                        if reasoning:
+                            delta = {"reasoning_content": reasoning}
+                            choice = {"index": out.index, "delta": delta, "logprobs": None,
+                                      "finish_reason": None}  # fmt: skip
+                            yield self._chunk([choice], every_chunk)
+                    text = calls[out.index].push(new) if calls else new
                     if calls and out.finished:
                         for chunk in self._call_chunks(out.index, calls[out.index], every_chunk):
                             yield chunk

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
 import msgspec
 
 from service.api.limits import Limits
@@ -29,6 +30,7 @@ from service.api.openai.tools import (
     tools_of,
 )
 from service.api.sampling import AskedSampling
+from service.engine.values import TEMPLATE_RESERVED
 from service.sessions.prompt import ChatFormat, TemplateError
 
 ROLES = {
@@ -91,8 +93,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    # Honoured: variables the model's template reads (Qwen3's enable_thinking), but for the
+    # ones the server sets itself (TEMPLATE_RESERVED).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted at their neutral values only (null, empty, ["text"]).
-    chat_template_kwargs: dict[str, Any] | None = None  # only empty
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -139,8 +143,7 @@ def decode_request(
 
 
 def _refuse_what_cannot_be_honoured(req: ChatCompletionRequest) -> None:
-    if req.chat_template_kwargs:
-        raise unsupported("chat_template_kwargs")
+    check_template_kwargs(req.chat_template_kwargs)
     if req.continue_final_message and req.add_generation_prompt:
         raise invalid(
             "continue_final_message and add_generation_prompt cannot both be true",
@@ -217,15 +220,45 @@ def render_prompt(
             "continue_final_message needs the last message to be the assistant's",
             "continue_final_message",
         )
-    if last == "assistant" and not req.add_generation_prompt:
-        try:
-            prompt = chat.continuation(rendered)
-        except TemplateError as exc:
-            raise invalid(str(exc), "messages") from None
-    else:
-        add_generation_prompt = req.add_generation_prompt is not False
-        prompt = chat.conversation(rendered, add_generation_prompt=add_generation_prompt)
+    kwargs = req.chat_template_kwargs
+    try:
+        if last == "assistant" and not req.add_generation_prompt:
+            try:
+                prompt = chat.continuation(rendered, kwargs)
+            except TemplateError as exc:
+                raise invalid(str(exc), "messages") from None
+        else:
+            add_generation_prompt = req.add_generation_prompt is not False
+            prompt = chat.conversation(
+                rendered, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs
+            )
+    except jinja2.TemplateError as exc:  # the template failed on the request's variables
+        raise invalid(f"the chat template failed: {exc}", "chat_template_kwargs") from None
     return prompt
+
+
+MAX_TEMPLATE_KWARGS = 16
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """A request's template variables: names, not the server's own, a few of them."""
+    if not kwargs:
+        return
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise invalid(
+            f"chat_template_kwargs takes at most {MAX_TEMPLATE_KWARGS} variables",
+            "chat_template_kwargs",
+        )
+    for name in kwargs:
+        if not name.isidentifier():
+            raise invalid(f"chat_template_kwargs: {name!r} is not a variable name",
+                          "chat_template_kwargs")  # fmt: skip
+    if reserved := TEMPLATE_RESERVED.intersection(kwargs):
+        raise invalid(
+            f"chat_template_kwargs cannot set the server's own template variables: "
+            f"{sorted(reserved)}",
+            "chat_template_kwargs",
+        )
 
 
 def request_tools(req: ChatCompletionRequest) -> Tools:

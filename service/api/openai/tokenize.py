@@ -20,7 +20,12 @@ import msgspec
 
 from service.api.limits import Limits
 from service.api.nesting import nesting_message, too_deep
-from service.api.openai.chat_request import ChatCompletionRequest, ChatMessageIn, render_prompt
+from service.api.openai.chat_request import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    check_template_kwargs,
+    render_prompt,
+)
 from service.api.openai.errors import (
     context_exceeded,
     decode_error,
@@ -47,7 +52,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     continue_final_message: bool | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    # Accepted empty or null only, as on /v1/chat/completions; the model's own template only.
+    # As on /v1/chat/completions: variables for the model's own template (its only one).
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -118,9 +123,9 @@ def _conversation(
     req: TokenizeRequest, chat: ChatFormat, limits: Limits, max_model_len: int
 ) -> list[int]:
     """The conversation's prompt, as a chat completion with these fields would have it."""
-    for name in ("chat_template_kwargs", "mm_processor_kwargs"):
-        if getattr(req, name):
-            raise unsupported(name)
+    if req.mm_processor_kwargs:
+        raise unsupported("mm_processor_kwargs")
+    check_template_kwargs(req.chat_template_kwargs)
     if req.chat_template is not None:
         raise unsupported("chat_template", "is not supported: the model's own template is used")
     if req.continue_final_message and req.add_generation_prompt:
@@ -134,6 +139,7 @@ def _conversation(
         tool_choice=req.tool_choice,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
     )
     ids = render_prompt(as_chat, chat, limits, max_model_len)
     if req.add_special_tokens:

@@ -294,9 +294,18 @@ def test_vllms_detokenizing_options_are_accepted_at_what_the_server_does() -> No
     for name, value in [
         ("include_stop_str_in_output", True),
         ("skip_special_tokens", False),
-        ("chat_template_kwargs", {"enable_thinking": True}),
     ]:
         assert refusal(**{name: value}).param == name
+
+
+def test_template_variables_are_taken_but_for_the_servers_own(chat: ChatFormat) -> None:
+    # The bundled model's template reads no enable_thinking: the same prompt.
+    thinking = decode(chat_template_kwargs={"enable_thinking": False})
+    assert render_prompt(thinking, chat, Limits()) == render_prompt(decode(), chat, Limits())
+    for kwargs in ({"bos_token": "x"}, {"not a name": 1}, {f"v{i}": i for i in range(17)}):
+        with pytest.raises(OpenAIError) as caught:
+            decode(chat_template_kwargs=kwargs)
+        assert caught.value.param == "chat_template_kwargs"
 
 
 def test_the_prompt_is_the_chat_template_with_text_parts_joined_and_developer_as_system(

@@ -195,8 +195,8 @@ def test_a_prompt_is_tokenized_as_a_text_completion_reads_it(server: ServerProce
          "continue_final_message"),
         ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400,
          "unsupported_parameter", "chat_template"),
-        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
-         400, "unsupported_parameter", "chat_template_kwargs"),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}},
+         400, "invalid_value", "chat_template_kwargs"),
         # Oversized: over the context in tokens, over the limits in characters or bytes.
         ("/tokenize", {"prompt": "river " * 300}, 400, "context_length_exceeded", "prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": "river " * 300}]}, 400,
