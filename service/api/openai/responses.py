@@ -23,12 +23,14 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from service.api.openai.answer import Answer, _failure, _finish
 from service.api.openai.errors import OpenAIError, invalid, unsupported
+from service.api.openai.reasoning import ReasoningStream, split
 from service.api.openai.tools import CallStream, read_calls
 from service.api.openai.unknown_fields import convert_ignoring, unknown_field
 from service.engine.values import EngineDeadError, FinishReason, RequestError
@@ -310,11 +312,16 @@ class ResponseAnswer(Answer):
                         reason = _finish(out.finish_reason)
         except (RequestError, EngineDeadError) as exc:
             return as_responses_error(_failure(exc, True))
+        output = []
+        if self.thinking is not None:
+            parts = split(text, self.thinking)
+            text = parts.content
+            if parts.reasoning is not None:
+                output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", parts.reasoning))
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             found = read_calls(text, self.tools)
             text, calls = found.content or "", found.calls
-        output = []
         if text or not calls:
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", text, "completed"))
         output += [_call_item(call, "completed") for call in calls]
@@ -338,6 +345,8 @@ class ResponseAnswer(Answer):
         text: str | None = None  # the message's text once its item is open
         reason = "stop"
         stream = CallStream(self.tools) if self.tools is not None else None
+        thinking = ReasoningStream(self.thinking) if self.thinking is not None else None
+        reasoning = _Reasoning()
         try:
             async with contextlib.aclosing(self._outputs()) as outputs:  # type: ignore[type-var]
                 async for out in outputs:
@@ -346,7 +355,18 @@ class ResponseAnswer(Answer):
                         error = as_responses_error(self._broken(out))
                         yield self._error_events(error, output)
                         return
-                    new = stream.push(out.new_text) if stream else out.new_text
+                    new = out.new_text
+                    if thinking is not None:
+                        thought, new = thinking.push(new)
+                        if out.finished:
+                            more_thought, more = thinking.finish()
+                            thought, new = thought + more_thought, new + more
+                        for event in self._reasoning_events(reasoning, thought, output):
+                            yield event
+                        if new or out.finished:
+                            for event in self._close_reasoning(reasoning, output):
+                                yield event
+                    new = stream.push(new) if stream else new
                     if out.finished:
                         reason = _finish(out.finish_reason)
                     if new:
@@ -385,6 +405,43 @@ class ResponseAnswer(Answer):
         status = "incomplete" if reason == "length" else "completed"
         self.final = self.response(status, output, reason)
         yield self._event(f"response.{status}", {"response": self.final})
+
+    def _reasoning_events(
+        self, reasoning: _Reasoning, thought: str, output: list[dict[str, Any]]
+    ) -> list[bytes]:
+        """A thinking model's reasoning as a reasoning item, its text streamed."""
+        if not thought or reasoning.closed:
+            return []
+        events = []
+        if reasoning.text is None:
+            reasoning.text = ""
+            item = {**_reasoning_item(reasoning.id, ""), "content": []}
+            events.append(
+                self._event(
+                    "response.output_item.added", {"output_index": len(output), "item": item}
+                )
+            )
+        reasoning.text += thought
+        events.append(self._event("response.reasoning_text.delta", {
+            "item_id": reasoning.id, "output_index": len(output), "content_index": 0,
+            "delta": thought,
+        }))  # fmt: skip
+        return events
+
+    def _close_reasoning(self, reasoning: _Reasoning, output: list[dict[str, Any]]) -> list[bytes]:
+        if reasoning.text is None or reasoning.closed:
+            return []
+        reasoning.closed = True
+        index = len(output)
+        item = _reasoning_item(reasoning.id, reasoning.text.strip())
+        output.append(item)
+        where = {"item_id": reasoning.id, "output_index": index, "content_index": 0}
+        return [
+            self._event(
+                "response.reasoning_text.done", {**where, "text": item["content"][0]["text"]}
+            ),
+            self._event("response.output_item.done", {"output_index": index, "item": item}),
+        ]
 
     def _open_message(self, item_id: str, index: int) -> bytes:
         item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
@@ -436,6 +493,21 @@ class ResponseAnswer(Answer):
         payload = {"type": kind, **data, "sequence_number": self._sequence}
         self._sequence += 1
         return f"event: {kind}\ndata: ".encode() + _json.encode(payload) + b"\n\n"
+
+
+@dataclass(slots=True)
+class _Reasoning:
+    """A streamed answer's reasoning item: open once its first text came, closed before the
+    answer's other items."""
+
+    id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    text: str | None = None  # None: not opened
+    closed: bool = False
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:

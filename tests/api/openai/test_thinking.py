@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -149,3 +150,18 @@ def test_the_servers_own_template_variables_cannot_be_set(server: ServerProcess)
     })  # fmt: skip
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=server.http + "/v1", api_key="none", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        whole = client.responses.create(model=model, input=ASK[0]["content"], temperature=0)
+        with client.responses.stream(model=model, input=ASK[0]["content"], temperature=0) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning" and reasoning.content is not None
+        assert [part.text for part in reasoning.content] == ["sun"]
+        assert message.type == "message" and response.output_text == "light"
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
