@@ -476,6 +476,30 @@ async def stream_answer(page: Any, text: str, pieces: int = 7) -> None:
     await page.evaluate("(f) => onFrame(f)", done)
 
 
+async def test_a_thinking_models_thinking_is_folded_above_its_answer(
+    open_page: OpenPage,
+) -> None:
+    # As a thinking model (Qwen3) streams it: the block first, then the answer.
+    opened = await open_page("/")
+    page = opened.page
+    await page.evaluate("(t) => onFrame({type: 'delta', text: t})", "<think>\nI weigh <b>it")
+    answer = page.locator(".msg.assistant").last
+    thinking = answer.locator("details.thinking")
+    await thinking.wait_for()
+    assert await thinking.locator("summary").inner_text() == "Thinking…"
+    await thinking.locator("summary").click()  # opened while it streams: stays open
+    await stream_answer(page, "</think>\n\nThe answer is **42**.")
+    assert await thinking.evaluate("(el) => el.open")
+    assert await thinking.locator("summary").inner_text() == "Thought"
+    assert await thinking.locator(".thought").inner_text() == "I weigh <b>it"  # text, not markup
+    assert await answer.locator("strong").inner_text() == "42"
+    assert "weigh" not in await answer.locator("p").inner_text()
+    await stream_answer(page, "<think>short</think>Plain.")  # a new answer: folded
+    last = page.locator(".msg.assistant").last
+    assert not await last.locator("details.thinking").evaluate("(el) => el.open")
+    assert await last.locator("p").inner_text() == "Plain."
+
+
 async def test_a_markdown_answer_renders_code_lists_tables_and_safe_links(
     open_page: OpenPage, tmp_path: Any
 ) -> None:
