@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto"],
         help="how the packed weights lie, each in turn: auto (regrouped for int8) | stored",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="EngineConfig.batch_invariant, each in turn (on: every row as if alone)",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-len", type=int, default=200)
@@ -271,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth_threads = max(t or topology.usable_physical_cores() for t in args.decode_threads)
     bandwidth = read_bandwidth(bandwidth_threads, args.bandwidth_mib << 20)
     engines: dict[str, tuple[LLMEngine, MatmulClock]] = {}
-    for weights, isa, inputs, layout, threads, decode_threads in itertools.product(
+    for weights, isa, inputs, layout, threads, decode_threads, invariant in itertools.product(
         args.weights, args.cpu_isa, args.matmul_inputs, args.weight_layout, args.threads,
-        args.decode_threads,
+        args.decode_threads, args.batch_invariant,
     ):  # fmt: skip
         config = EngineConfig(
             model=args.model,
@@ -287,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_mb=args.kv_cache_mb,
             num_threads=threads,
             decode_threads=decode_threads,
+            batch_invariant=invariant == "on",
         )
         engine = LLMEngine(config)  # its crossover trial runs at `threads`
         name = weights if len(args.cpu_isa) == 1 else f"{weights} {isa}"
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             name += f" {threads}t"
         if len(args.decode_threads) > 1:
             name += f" stack {engine.runner.native_decode_threads}t"
+        if len(args.batch_invariant) > 1:
+            name += f" invariant {invariant}"
         engines[name] = (engine, MatmulClock(engine.runner.model, engine.runner.decoder_stack))
     rows: dict[str, list[dict[str, float]]] = {w: [] for w in engines}
     for b in args.batch:

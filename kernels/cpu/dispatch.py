@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # Every kernel with a version per ISA.
 KERNELS = (
-    *STACK_KERNELS, "dequant", "dequant_rows", "sample", "gemv_q8", "quantize_q8",
+    *STACK_KERNELS, "dequant", "dequant_rows", "sample", "gemv_q8", "quantize_q8", "gemv_rowwise",
 )  # fmt: skip
 # What the packed products take as inputs: fp32 as they are (the dequantized model's
 # arithmetic), or int8 per 32 inputs (`gemv_q8` in `gemv`'s place).
@@ -64,6 +64,9 @@ class KernelSet:
     runnable: tuple[str, ...] = ()  # the versions this CPU runs
     fallbacks: tuple[str, ...] = ()  # a line per kernel that fell back, saying why
     matmul_inputs: str = "fp32"  # one of MATMUL_INPUTS
+    # Each row's products the same bits whatever else a call holds: fp32 inputs a few rows
+    # at a time (gemv_rowwise); int8 inputs are so on every path.
+    batch_invariant: bool = False
     _table: list[CKernels] = field(default_factory=list, repr=False, init=False)
 
     @property
@@ -75,6 +78,8 @@ class KernelSet:
     def fn(self, kernel: str) -> Any:
         if kernel == "gemv" and self.matmul_inputs == "int8":
             kernel = "gemv_q8"
+        elif kernel == "gemv" and self.batch_invariant:
+            kernel = "gemv_rowwise"
         return getattr(self.lib, f"pc_{kernel}_{self.chosen[kernel]}")
 
     @property
@@ -95,11 +100,16 @@ class KernelSet:
             raise ValueError(f"matmul inputs {matmul_inputs!r}: one of {MATMUL_INPUTS}")
         return _with_inputs(self, matmul_inputs)
 
+    def with_batch_invariance(self, on: bool = True) -> KernelSet:
+        """The same versions, each row's products computed as if alone (`batch_invariant`)."""
+        return _with_invariance(self, on)
+
     def describe(self) -> str:
         """For the start-up log and /v1/stats: the version, and any kernel that differs."""
         others = [f"{k} {isa}" for k, isa in self.chosen.items() if isa != self.isa]
         inputs = ", int8 inputs" if self.matmul_inputs == "int8" else ""
-        return self.isa + (f" ({', '.join(others)})" if others else "") + inputs
+        invariant = ", batch-invariant" if self.batch_invariant else ""
+        return self.isa + (f" ({', '.join(others)})" if others else "") + inputs + invariant
 
 
 def cpu_description() -> str:
@@ -145,6 +155,13 @@ def _with_inputs(kernels: KernelSet, matmul_inputs: str) -> KernelSet:
     if matmul_inputs == kernels.matmul_inputs:
         return kernels
     return dataclasses.replace(kernels, matmul_inputs=matmul_inputs)
+
+
+@functools.cache
+def _with_invariance(kernels: KernelSet, on: bool) -> KernelSet:
+    if on == kernels.batch_invariant:
+        return kernels
+    return dataclasses.replace(kernels, batch_invariant=on)
 
 
 @functools.cache
@@ -208,6 +225,22 @@ def _probe_gemv(version: KernelSet, generic: KernelSet) -> str | None:
             problem = _differs(ops.gemv(version, weight, x), ops.gemv(generic, weight, x), bound)
             if problem:
                 return f"{kind.name}, {m} rows: {problem}"
+    return None
+
+
+def _probe_gemv_rowwise(version: KernelSet, generic: KernelSet) -> str | None:
+    """Each row of a many-row call the same bits as that row alone (the values themselves are
+    gemv's, probed above)."""
+    rowwise = version.with_batch_invariance()
+    gen = torch.Generator().manual_seed(3)
+    for kind in WeightType:
+        k = 2 * (256 if kind >= WeightType.Q4_K else 32)
+        weight = random_blocks(kind, 8, k, gen)
+        x = torch.randn(9, k, generator=gen)
+        together = ops.gemv(rowwise, weight, x)
+        alone = torch.cat([ops.gemv(rowwise, weight, x[r : r + 1]) for r in range(9)])
+        if not torch.equal(together, alone):
+            return f"{kind.name}: a row of nine differs from itself alone"
     return None
 
 
@@ -347,6 +380,7 @@ def _probe_sample(version: KernelSet, generic: KernelSet) -> str | None:
 PROBES: dict[str, Probe] = {
     "gemv": _probe_gemv,
     "gemv_q8": _probe_gemv_q8,
+    "gemv_rowwise": _probe_gemv_rowwise,
     "quantize_q8": _probe_quantize_q8,
     "dequant": _probe_dequant,
     "dequant_rows": _probe_dequant_rows,

@@ -28,6 +28,7 @@ F32 = ctypes.c_float
 # Every version's entry points (pc_<name>_<isa>), as kernels/cpu/src declares them.
 PER_ISA_PROTOTYPES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "gemv": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
+    "gemv_rowwise": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
     "gemv_q8": (I64, (I64, P, I64, P, I64, I64, P, I64, I64, I64)),
     "quantize_q8": (None, (P, I64, I64, P)),
     "q8_prepared_bytes": (I64, (I64, I64)),

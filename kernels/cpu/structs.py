@@ -107,6 +107,7 @@ class CDecoderShape(ctypes.Structure):
         ("cache_type", I64),
         ("groups", I64),
         ("cache_blocks", I64 * MAX_GROUPS),
+        ("batch_invariant", I64),  # 1: a lone sequence's context never split between threads
     ]
 
 

@@ -195,6 +195,14 @@ class EngineConfig:
         " different salts never share a block",
     )
     seed: int = setting(0, "the engine's generator for random sampling without a request seed")
+    batch_invariant: bool = setting(
+        False,
+        "each row of a step computed as if it were alone, so that a seeded request's answer is"
+        " the same token for token whatever else the server is doing (CPU kernels with packed"
+        " weights only): fp32 products a few rows at a time instead of tiles, every step through"
+        " the native stack, a lone sequence's attention never split between threads. Costs"
+        " prefill and large-batch speed (docs/perf.md, 'Batch invariance')",
+    )
     num_threads: int = setting(
         1,
         "torch threads; 1 was faster than 2 on the 2-core machines and leaves a core for the"
@@ -227,6 +235,11 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.batch_invariant and self.max_num_batched_tokens > MAX_INVARIANT_STEP_TOKENS:
+            raise ValueError(
+                f"batch_invariant takes max_num_batched_tokens up to {MAX_INVARIANT_STEP_TOKENS}"
+                " (every step through the native stack)"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Every running sequence must be able to decode in the same step.
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
@@ -268,5 +281,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # What the CPU kernels' packed products take as inputs (kernels/cpu/dispatch.py's
 # MATMUL_INPUTS: a test holds the two equal).
 MATMUL_INPUTS = ("fp32", "int8")
+# runner.MAX_NATIVE_ROWS: the most rows a step the native stack takes (a test holds them equal).
+MAX_INVARIANT_STEP_TOKENS = 1024
 # Every CPU kernel version of every architecture (dispatch.names() has this machine's).
 ALL_ISAS = tuple(dict.fromkeys(isa.name for isas in build.ISAS.values() for isa in isas))

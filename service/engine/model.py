@@ -32,6 +32,7 @@ from kernels.cpu.structs import CDecoderShape
 from kernels.metadata import AttentionMetadata
 from service.engine.quant import (
     HEAD_TYPE,
+    NO_CROSSOVER,
     QUANTIZE_TO,
     DequantScratch,
     PackedEmbedding,
@@ -484,7 +485,9 @@ class DecoderModel(nn.Module):
             assert kernels is not None
             first = _layer_projections(model.layers[0])
             limit = max_packed_tokens
-            if limit is None:
+            if kernels.batch_invariant:  # never torch's dense matmul: each row as if alone
+                limit = NO_CROSSOVER
+            elif limit is None:
                 layer = [p.weight for p in first]
                 limit = measured_max_packed_tokens(layer, kernels, scratch.dtype, threads)
             for linear in linears.values():
@@ -591,6 +594,7 @@ class DecoderModel(nn.Module):
             # product up to an fp32 rounding.
             scale=a.attention.scale if a.attention.scale is not None else a.head_dim**-0.5,
             activation=ACTIVATIONS[a.block.activation],
+            batch_invariant=int(self.kernels.batch_invariant),
         )
         groups = layer_groups or (0,) * a.num_layers
         local_rope = 1 if self.local_tables is not None else 0

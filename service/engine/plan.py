@@ -59,6 +59,13 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     all_auto = config.weights == config.weight_dtype == config.dtype == "auto"
     serve_stored = all_auto and kernels is not None
     packed = config.weights in PACKED_FORMATS
+    if config.batch_invariant:
+        if kernels is None or not (packed or serve_stored):
+            raise ValueError(
+                "batch_invariant needs the CPU kernels serving packed weights (a GGUF's blocks as"
+                " stored, or weights int8 / int4) on the CPU"
+            )
+        kernels = kernels.with_batch_invariance()
     if packed and device.type != "cpu":
         raise ValueError(f"weights {config.weights} runs on the CPU only")
     if packed and kernels is None:

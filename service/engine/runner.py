@@ -322,6 +322,9 @@ class ModelRunner:
         read theirs, where torch's flash attention reads them once per block of rows)."""
         if self.decoder_stack is None or sum(query_lens) > MAX_NATIVE_ROWS:
             return False
+        kernels = self.model.kernels
+        if kernels is not None and kernels.batch_invariant:
+            return True  # every row as if alone: never torch's attention over a block of rows
         return max(query_lens) == 1 or max(seq_lens) <= MAX_NATIVE_PREFILL_CONTEXT
 
     @torch.inference_mode()

@@ -55,7 +55,7 @@ static const pc_field_layout decoder_shape[] = {
     FIELD(pc_decoder_shape, rms_norm_eps), FIELD(pc_decoder_shape, scale),
     FIELD(pc_decoder_shape, activation),   FIELD(pc_decoder_shape, block_size),
     FIELD(pc_decoder_shape, cache_type),   FIELD(pc_decoder_shape, groups),
-    FIELD(pc_decoder_shape, cache_blocks),
+    FIELD(pc_decoder_shape, cache_blocks), FIELD(pc_decoder_shape, batch_invariant),
 };
 
 static const pc_field_layout step_rows[] = {

@@ -112,7 +112,7 @@ typedef int64_t pc_sample_fn(const float *logits, int64_t rows, int64_t vocab, i
                              const float *min_p, const double *uniforms, int64_t *out);
 
 #define PC_DECLARE_VERSION(isa)                                                                    \
-    pc_gemv_fn pc_gemv_##isa, pc_gemv_q8_##isa;                                                    \
+    pc_gemv_fn pc_gemv_##isa, pc_gemv_rowwise_##isa, pc_gemv_q8_##isa;                             \
     pc_dequant_fn pc_dequant_##isa;                                                                \
     pc_dequant_rows_fn pc_dequant_rows_##isa;                                                      \
     pc_attend_fn pc_attend_##isa;                                                                  \
@@ -193,6 +193,9 @@ typedef struct {
     int64_t block_size, cache_type;      /* every pool's */
     int64_t groups;                      /* layer groups, 1 to PC_MAX_GROUPS */
     int64_t cache_blocks[PC_MAX_GROUPS]; /* each group's pool */
+    /* 0: a lone sequence's attention may be split into ranges of its context, one a thread
+       (its sums then in another order than among other rows); 1: never (batch-invariant) */
+    int64_t batch_invariant;
 } pc_decoder_shape;
 
 /* A step's m rows, one per token: its context length (its position + 1), its RoPE rows in

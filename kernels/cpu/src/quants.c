@@ -481,6 +481,23 @@ int64_t PC_FN(gemv)(int64_t type, const uint8_t *w, int64_t row_bytes, const flo
     return PC_OK;
 }
 
+/* PC_FN(gemv) at most GEMV_ROWS input rows a call: each row's output the same bits whatever
+   else the call holds (a row's output is at one to four rows), so a step's rows are each
+   computed as if alone (batch-invariant decoding), at the cost of one pass over the weights
+   for every four rows where tiles would take many at once. */
+int64_t PC_FN(gemv_rowwise)(int64_t type, const uint8_t *w, int64_t row_bytes, const float *x,
+                            int64_t m, int64_t k, float *y, int64_t ldy, int64_t n_begin,
+                            int64_t n_end) {
+    for (int64_t r = 0; r < m; r += GEMV_ROWS) {
+        const int64_t rows = m - r < GEMV_ROWS ? m - r : GEMV_ROWS;
+        const int64_t status =
+            PC_FN(gemv)(type, w, row_bytes, x + r * k, rows, k, y + r * ldy, ldy, n_begin, n_end);
+        if (status != PC_OK)
+            return status;
+    }
+    return PC_OK;
+}
+
 /* Weight rows [r_begin, r_end) dense: row r to out + (r - r_begin) * ld, as fp32 or bf16
    (out_type PC_F32 / PC_BF16), each weight the value gguf's dequantization gives. */
 int64_t PC_FN(dequant)(int64_t type, const uint8_t *w, int64_t row_bytes, int64_t k,

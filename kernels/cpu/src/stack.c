@@ -260,7 +260,7 @@ int64_t pc_decode_layers(const pc_kernels *kernels, const pc_decoder_layer *laye
                                         .d = d,
                                         .scale = shape->scale};
         work_part parts[PC_MAX_THREADS];
-        const int64_t lone_len = m == 1 ? view->lens[0] : 0;
+        const int64_t lone_len = m == 1 && !shape->batch_invariant ? view->lens[0] : 0;
         const int64_t context_parts =
             lone_len / MIN_CONTEXT_PART < ours ? lone_len / MIN_CONTEXT_PART : ours;
         if (context_parts > 1) {
