@@ -17,7 +17,7 @@ from service.api.openai.errors import (
     invalid,
     model_not_found,
 )
-from service.api.openai.unknown_fields import convert_ignoring, unknown_field
+from service.api.openai.unknown_fields import decode
 from service.api.sampling import AskedSampling, SamplingError, SamplingErrorKind
 from service.api.structured import (
     StructuredError,
@@ -142,12 +142,7 @@ def decode_fields(
     request has is refused, or dropped with `ignore_unknown`: NOTE (unknown fields) in
     service/api/openai/unknown_fields.py."""
     try:
-        try:
-            req = msgspec.json.decode(body, type=kind)
-        except msgspec.ValidationError as exc:
-            if not ignore_unknown or unknown_field(exc) is None:
-                raise
-            req = convert_ignoring(msgspec.json.decode(body), kind, what)
+        req = decode(body, kind, what, ignore_unknown)
     except msgspec.DecodeError as exc:
         raise decode_error(exc, what) from None
     except RecursionError:  # the decoder's own bound on nesting

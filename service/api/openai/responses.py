@@ -32,7 +32,7 @@ from service.api.openai.answer import Answer, _failure, _finish
 from service.api.openai.errors import OpenAIError, invalid, unsupported
 from service.api.openai.reasoning import ReasoningStream, split
 from service.api.openai.tools import CallStream, read_calls
-from service.api.openai.unknown_fields import convert_ignoring, unknown_field
+from service.api.openai.unknown_fields import decode
 from service.engine.values import EngineDeadError, FinishReason, RequestError
 
 _json = msgspec.json.Encoder()
@@ -97,12 +97,7 @@ def decode_responses_request(body: bytes, ignore_unknown: bool = False) -> Respo
     """The request, or OpenAIError naming what is wrong; `ignore_unknown`: a top-level field
     no request has is dropped, not refused (--unknown-request-fields ignore)."""
     try:
-        try:
-            req = msgspec.json.decode(body, type=ResponsesRequest)
-        except msgspec.ValidationError as exc:
-            if not ignore_unknown or unknown_field(exc) is None:
-                raise
-            req = convert_ignoring(msgspec.json.decode(body), ResponsesRequest, "responses")
+        req = decode(body, ResponsesRequest, "responses request", ignore_unknown)
     except msgspec.ValidationError as exc:
         raise invalid(f"not a valid responses request: {exc}", _path_of(exc)) from None
     except msgspec.DecodeError as exc:

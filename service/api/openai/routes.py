@@ -21,9 +21,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import redis.exceptions
@@ -71,6 +71,7 @@ from service.sessions.prompt import ChatFormat
 from service.sessions.store import SessionStore
 
 _json = msgspec.json.Encoder()
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,8 @@ class OpenAIRoutes:
             return self._error(as_responses_error(sampling_error(exc)), parts)
         except ClientDisconnect:
             return self._left(request, parts)
-        refusal = parts.admission.begin_answer()
-        if refusal is not None:
-            parts.metrics.errors.labels(refusal.reason.value).inc()
-            return refusal_error(refusal).response()
+        if (refused := _refused(parts)) is not None:
+            return refused
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
         answer = ResponseAnswer(
             parts.engine, parts.metrics, parts.admission.end_answer, req, prompt, params,
@@ -178,20 +177,9 @@ class OpenAIRoutes:
         )  # fmt: skip
         if rreq.stream:
             return EventStream(_stored_at_end(answer, store), on_close=answer.close)
-        whole = asyncio.create_task(answer.whole_response())
-        gone = asyncio.create_task(until_disconnected(request.receive))
-        try:
-            await asyncio.wait([whole, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not whole.done():
-                whole.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await whole
-            answer.close()
-        if whole.cancelled():
-            return Response(status_code=499)
-        result = whole.result()
+        result = await _unless_gone(request, answer.whole_response(), answer.close)
+        if result is None:
+            return Response(status_code=499)  # nobody is there to read it
         if isinstance(result, OpenAIError):
             return self._error(result, parts)
         await _store(answer, store)
@@ -311,10 +299,8 @@ class OpenAIRoutes:
             return self._error(sampling_error(exc), parts)
         except ClientDisconnect:
             return self._left(request, parts)
-        refusal = parts.admission.begin_answer()
-        if refusal is not None:
-            parts.metrics.errors.labels(refusal.reason.value).inc()
-            return refusal_error(refusal).response()
+        if (refused := _refused(parts)) is not None:
+            return refused
         scope = http_cache_scope(principal_of(request).tenant, req.cache_salt)
         model = req.model or parts.names[0]  # answers name the model as it was asked for
         release = parts.admission.end_answer
@@ -323,20 +309,8 @@ class OpenAIRoutes:
         )
         if req.stream:
             return EventStream(completion.events(), on_close=completion.close)
-        answer = asyncio.create_task(completion.whole())
-        gone = asyncio.create_task(until_disconnected(request.receive))
-        try:
-            await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not answer.done():  # the client left (or we were cancelled): stop generating
-                answer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await answer
-            completion.close()
-        if answer.cancelled():
-            return Response(status_code=499)  # nobody is there to read it
-        return answer.result()
+        answer = await _unless_gone(request, completion.whole(), completion.close)
+        return Response(status_code=499) if answer is None else answer  # 499: nobody is there
 
     @staticmethod
     async def _read(request: Request, limits: Limits) -> bytes:
@@ -363,6 +337,34 @@ class OpenAIRoutes:
     def _error(exc: OpenAIError, parts: OpenAIParts) -> Response:
         parts.metrics.errors.labels(exc.code).inc()
         return exc.response()
+
+
+def _refused(parts: OpenAIParts) -> Response | None:
+    """A slot for one more answer, or the refusal to send (counted)."""
+    refusal = parts.admission.begin_answer()
+    if refusal is None:
+        return None
+    parts.metrics.errors.labels(refusal.reason.value).inc()
+    return refusal_error(refusal).response()
+
+
+async def _unless_gone(
+    request: Request, work: Coroutine[Any, Any, T], close: Callable[[], None]
+) -> T | None:
+    """`work`'s result, or None where the client left first: it is then cancelled, which
+    aborts its engine request before the next step. `close` runs either way."""
+    task = asyncio.create_task(work)
+    gone = asyncio.create_task(until_disconnected(request.receive))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left (or we were cancelled): stop generating
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        close()
+    return None if task.cancelled() else task.result()
 
 
 async def _stored_at_end(answer: ResponseAnswer, store: SessionStore) -> AsyncIterator[bytes]:

@@ -70,6 +70,17 @@ def unknown_field(exc: msgspec.ValidationError) -> str | None:
     return f"{at.removeprefix('.')}.{match['name']}" if at else match["name"]
 
 
+def decode(body: bytes, kind: type[T], what: str, ignore_unknown: bool) -> T:
+    """`body` (JSON) as a `kind`; with `ignore_unknown`, a field no `kind` has is dropped
+    rather than refused (NOTE (unknown fields)). msgspec's errors are the caller's to word."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        if not ignore_unknown or unknown_field(exc) is None:
+            raise
+        return convert_ignoring(msgspec.json.decode(body), kind, what)
+
+
 def convert_ignoring(body: Any, kind: type[T], what: str) -> T:
     """`body` (parsed JSON) as a `kind`, each unknown field dropped: NOTE (unknown fields).
     ValidationError for any other fault, or past MAX_IGNORED unknown fields."""
