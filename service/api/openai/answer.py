@@ -176,10 +176,7 @@ class Answer:
                     logprobs = self._logprobs(out)
                     new = out.new_text
                     if streams:
-                        reasoning, new = streams[out.index].push(new)
-                        if out.finished:
-                            more_reasoning, more = streams[out.index].finish()
-                            reasoning, new = reasoning + more_reasoning, new + more
+                        reasoning, new = streams[out.index].feed(new, out.finished)
                         if reasoning:
                             delta = {"reasoning_content": reasoning}
                             choice = {"index": out.index, "delta": delta, "logprobs": None,

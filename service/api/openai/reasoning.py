@@ -95,6 +95,14 @@ class ReasoningStream:
             self._held = ""
             return reasoning, content
 
+    def feed(self, new: str, finished: bool) -> tuple[str, str]:
+        """`push`, and at the answer's end what `finish` holds back too."""
+        reasoning, content = self.push(new)
+        if not finished:
+            return reasoning, content
+        more_reasoning, more = self.finish()
+        return reasoning + more_reasoning, content + more
+
     def finish(self) -> tuple[str, str]:
         """What is held back when the answer ends."""
         held, self._held = self._held, ""

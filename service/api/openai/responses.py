@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,11 +326,14 @@ class ResponseAnswer(Answer):
 
     # ------------------------------------------------------------------ streamed
 
-    async def response_events(self) -> AsyncIterator[bytes]:
+    async def response_events(
+        self, before_final: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncIterator[bytes]:
         """The semantic events OpenAI streams: response.created and .in_progress; per output
         item .output_item.added, its content part or call arguments, their deltas and
         .done events, .output_item.done; then response.completed (or .incomplete) with the
-        whole Response. An error after the stream began is an `error` event, then
+        whole Response (`before_final` awaited first: the store, so that a client chaining at
+        once finds it). An error after the stream began is an `error` event, then
         response.failed."""
         started = self.response("in_progress", [])
         yield self._event("response.created", {"response": started})
@@ -352,10 +355,7 @@ class ResponseAnswer(Answer):
                         return
                     new = out.new_text
                     if thinking is not None:
-                        thought, new = thinking.push(new)
-                        if out.finished:
-                            more_thought, more = thinking.finish()
-                            thought, new = thought + more_thought, new + more
+                        thought, new = thinking.feed(new, out.finished)
                         for event in self._reasoning_events(reasoning, thought, output):
                             yield event
                         if new or out.finished:
@@ -399,6 +399,8 @@ class ResponseAnswer(Answer):
                 yield event
         status = "incomplete" if reason == "length" else "completed"
         self.final = self.response(status, output, reason)
+        if before_final is not None:
+            await before_final()
         yield self._event(f"response.{status}", {"response": self.final})
 
     def _reasoning_events(

@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -176,7 +176,8 @@ class OpenAIRoutes:
             responses_req=rreq, messages=[*history, *messages],
         )  # fmt: skip
         if rreq.stream:
-            return EventStream(_stored_at_end(answer, store), on_close=answer.close)
+            events = answer.response_events(before_final=lambda: _store(answer, store))
+            return EventStream(events, on_close=answer.close)
         result = await _unless_gone(request, answer.whole_response(), answer.close)
         if result is None:
             return Response(status_code=499)  # nobody is there to read it
@@ -365,22 +366,6 @@ async def _unless_gone(
                 await task
         close()
     return None if task.cancelled() else task.result()
-
-
-async def _stored_at_end(answer: ResponseAnswer, store: SessionStore) -> AsyncIterator[bytes]:
-    """The answer's events, the response stored before the last one (response.completed)
-    names it: a client that chains at once finds it."""
-    held: bytes | None = None
-    async for event in answer.response_events():
-        if held is not None:
-            yield held
-        held = event
-    if answer.final is not None:
-        await _store(answer, store)
-        if answer.final["store"] is False and held is not None:  # not kept after all: say so
-            held = held.replace(b'"store":true', b'"store":false', 1)
-    if held is not None:
-        yield held
 
 
 async def _store(answer: ResponseAnswer, store: SessionStore) -> None:
