@@ -4,11 +4,12 @@ its tokenizer, greedy continuations of raw prompts over /v1/completions, and cha
 WebSocket and the OpenAI API in Gemma's template (which the file does not carry: the built-in
 one, with the system prompt opening the first user turn).
 
-One transformers model and one server for the module; loading both takes about a minute.
+One transformers model and one server for the module, loaded side by side.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -48,9 +49,7 @@ def model_file() -> Path:
     return gemma3_270m()
 
 
-@pytest.fixture(scope="module")
-def reference(model_file: Path) -> tuple[Any, Any]:
-    """transformers' model (fp32, dequantized from the file) and tokenizer."""
+def _load_reference(model_file: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = {"gguf_file": model_file.name}
@@ -61,12 +60,29 @@ def reference(model_file: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="module")
+def reference_loading(model_file: Path) -> Iterator[concurrent.futures.Future[tuple[Any, Any]]]:
+    """transformers' model (fp32, dequantized from the file) and tokenizer, loaded in a thread
+    of this process while the server starts in its own, so the two loads share the cores."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(_load_reference, model_file)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_loading: concurrent.futures.Future[tuple[Any, Any]]) -> tuple[Any, Any]:
+    return reference_loading.result()
+
+
+@pytest.fixture(scope="module")
 def ours(model_file: Path) -> Tokenizer:
     return gguf_tokenizer(open_gguf(model_file))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_file: Path) -> Iterator[ServerProcess]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+    model_file: Path,
+    reference_loading: concurrent.futures.Future[tuple[Any, Any]],  # under way first
+) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("gemma3")
     with running_server(
         directory,

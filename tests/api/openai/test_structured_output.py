@@ -12,6 +12,7 @@ arguments match their schema, and the history of calls and results goes back in.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import json
 import os
@@ -365,12 +366,19 @@ def test_tools_with_defs_and_refs_are_called_ten_times_in_ten(
     assert "$defs" in json.dumps(tool)  # what broke: refs resolved against the call grammar
     named = {"type": "function", "function": {"name": "Forecast"}}
     tool_choice: Any = "required" if choice == "required" else named
-    for seed in range(10):
-        answer = client.chat.completions.create(
+
+    def ask(seed: int) -> Any:
+        return client.chat.completions.create(
             model="pagechat", messages=[{"role": "user", "content": "Forecast for Oslo?"}],
             tools=[tool], tool_choice=tool_choice, parallel_tool_calls=False,
             temperature=1.0, seed=seed, max_tokens=120,
         )  # fmt: skip
+
+    # All ten at once, as one batch: each is still parsed and checked on its own.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+        answers = list(pool.map(ask, range(10)))
+    assert len(answers) == 10
+    for answer in answers:
         choice_ = answer.choices[0]
         assert choice_.finish_reason == "tool_calls", choice_
         (call,) = choice_.message.tool_calls or []
