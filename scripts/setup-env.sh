@@ -31,6 +31,7 @@ if [ "$test_packages" = --test-packages ]; then
     # The arm64 CPU kernels, cross-compiled and run under qemu-user (tests/kernels/test_harness.py)
     apt_install_missing aarch64-linux-gnu-gcc gcc-aarch64-linux-gnu "the arm64 kernel tests"
     apt_install_missing qemu-aarch64 qemu-user "the arm64 kernel tests"
+    apt_install_missing shellcheck shellcheck "the shell scripts' lint (tests/test_shell_scripts.py)"
 fi
 
 py=${PYTHON:-python3}
